@@ -1,0 +1,3 @@
+from hyperloom.cli import main
+
+raise SystemExit(main())

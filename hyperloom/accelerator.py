@@ -1,0 +1,156 @@
+"""The device layer: which device, which collective backend, and the few device calls we need.
+
+Everything else in hyperloom asks this module instead of naming a device type, so a vendor
+accelerator that PyTorch exposes as a device module (`torch.musa`, `torch.xpu`, `torch.npu`,
+...) works by name. Collective backends follow each vendor's PyTorch plugin: NCCL on CUDA
+(and ROCm, which PyTorch also calls "cuda"), MCCL on MUSA, XCCL on XPU, HCCL on Ascend NPU and
+Gaudi HPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("hyperloom.accelerator")
+
+BACKENDS = {
+    "cpu": "gloo",
+    "cuda": "nccl",
+    "musa": "mccl",
+    "xpu": "xccl",
+    "npu": "hccl",
+    "hpu": "hccl",
+    "mps": "gloo",
+}
+_AUTO_ORDER = ("cuda", "musa", "xpu", "npu", "hpu", "mps")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+class AcceleratorError(RuntimeError):
+    """The requested device is unknown or not available here."""
+
+
+def _module(kind: str):
+    """PyTorch's device module for `kind` (torch.cuda, torch.musa, ...) or None."""
+    return getattr(torch, kind, None) if kind != "cpu" else None
+
+
+def _available(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    mod = _module(kind)
+    try:
+        return bool(mod is not None and mod.is_available())
+    except Exception:  # a half-installed vendor plugin must not break CPU runs
+        return False
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device type and its collective backend."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS.get(self.kind, "gloo")
+
+    def synchronize(self) -> None:
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "synchronize"):
+            mod.synchronize()
+
+    def autocast(self, dtype: torch.dtype):
+        """Mixed-precision region; a no-op for fp32."""
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.kind, dtype=dtype)
+
+    def reset_peak_memory(self) -> None:
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "reset_peak_memory_stats"):
+            mod.reset_peak_memory_stats(self.index)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak allocated device memory; on CPU the process's peak resident set size."""
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "max_memory_allocated"):
+            return int(mod.max_memory_allocated(self.index))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+    def rng_state(self) -> torch.Tensor | None:
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "get_rng_state"):
+            return mod.get_rng_state(self.index)
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        mod = _module(self.kind)
+        if state is not None and mod is not None and hasattr(mod, "set_rng_state"):
+            mod.set_rng_state(state, self.index)
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return f"cpu ({torch.get_num_threads()} threads)"
+        mod = _module(self.kind)
+        name = mod.get_device_name(self.index) if hasattr(mod, "get_device_name") else self.kind
+        return f"{self.kind}:{self.index} ({name})"
+
+
+def get_accelerator(name: str = "auto", index: int = 0) -> Accelerator:
+    """Resolve `train.device`: "auto" picks the first available accelerator, else the CPU."""
+    if name == "auto":
+        kind = next((k for k in _AUTO_ORDER if _available(k)), "cpu")
+        return Accelerator(kind, index)
+    kind, _, idx = name.partition(":")
+    if kind not in BACKENDS and _module(kind) is None:
+        raise AcceleratorError(
+            f"unknown device '{name}'; use auto, cpu or a PyTorch device type such as "
+            f"{', '.join(k for k in BACKENDS if k != 'cpu')}"
+        )
+    if not _available(kind):
+        raise AcceleratorError(
+            f"device '{kind}' is not available on this machine (torch {torch.__version__}); "
+            f"use train.device = auto or cpu"
+        )
+    return Accelerator(kind, int(idx) if idx else index)
+
+
+@functools.cache
+def measure_matmul_tflops(kind: str, dtype_name: str, size: int = 0) -> float:
+    """Best achieved TFLOP/s of a square matmul on this device: the MFU denominator by default.
+
+    A measured peak keeps MFU honest on machines without a datasheet number (a CPU, a new
+    accelerator); pass `logging.peak_tflops` to use a datasheet figure instead.
+    """
+    acc = Accelerator(kind)
+    dtype = DTYPES[dtype_name]
+    n = size or (1024 if kind == "cpu" else 8192)
+    a = torch.randn(n, n, device=acc.device).to(dtype)
+    b = torch.randn(n, n, device=acc.device).to(dtype)
+    for _ in range(2):
+        a @ b  # warm-up (kernel selection, caches)
+    acc.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        acc.synchronize()
+        best = min(best, time.perf_counter() - start)
+    tflops = 2 * n**3 / best / 1e12
+    log.info("measured %s %s matmul peak: %.2f TFLOP/s (n=%d)", kind, dtype_name, tflops, n)
+    return tflops

@@ -1,0 +1,263 @@
+"""`hyperloom` command line: train, generate, model info, config show.
+
+User errors (bad config, missing data, unusable checkpoint, unknown device) end with one
+clear message on stderr and exit status 2, never a traceback; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from hyperloom.accelerator import AcceleratorError
+from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    # Imported lazily so `hyperloom config show` does not pay for torch-heavy modules.
+    from hyperloom.data import DataError
+    from hyperloom.train.checkpoint import CheckpointError
+
+    return (*USER_ERRORS, DataError, CheckpointError)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(console=_console(stderr=True), show_path=False, markup=False)],
+        force=True,
+    )
+
+
+def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """CONFIG is optional; a first positional that starts with -- is an override."""
+    overrides = list(args.overrides)
+    if getattr(args, "run_dir", None):
+        overrides += ["--logging.run_dir", args.run_dir]
+    return args.config, overrides
+
+
+# ------------------------------------------------------------------------- commands
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hyperloom.inference import LoadedModel, complete
+    from hyperloom.train.report import summary_table, write_summary
+    from hyperloom.train.trainer import Trainer
+
+    cfg = load_config(*_split_config_args(args))
+    out = _console()
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    summary = result.summary
+    lg = cfg.logging
+    if lg.sample_prompt and lg.sample_tokens > 0:
+        loaded = LoadedModel(
+            trainer.model, trainer.data.tokenizer, cfg, result.run_dir, trainer.acc
+        )
+        text, stats = complete(loaded, lg.sample_prompt, lg.sample_tokens, seed=cfg.train.seed)
+        summary["sample"] = lg.sample_prompt + text
+        write_summary(result.run_dir, summary)
+        out.rule("sample")
+        out.print(lg.sample_prompt + text, markup=False, highlight=False)
+        out.rule()
+    out.print(summary_table(summary))
+    out.print(
+        f"run directory: {result.run_dir}  (metrics.jsonl, summary.json, loss_curve.png, "
+        f"checkpoints/)"
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hyperloom.inference import complete, load_for_inference
+
+    loaded = load_for_inference(args.checkpoint, device=args.device)
+    text, stats = complete(
+        loaded,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+    )
+    print(args.prompt + text)
+    logging.getLogger("hyperloom.generate").info(
+        "%d prompt tokens, %d new tokens in %.2f s (%.1f tokens/s, %s) from %s",
+        stats["prompt_tokens"],
+        stats["new_tokens"],
+        stats["seconds"],
+        stats["tokens_per_s"],
+        "KV cache" if not args.no_cache else "no cache",
+        loaded.checkpoint,
+    )
+    return 0
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    from hyperloom.models.registry import family, preset_config, preset_names
+
+    names = preset_names() if args.name == "all" else [args.name]
+    table = Table(title="hyperloom models", title_style="bold")
+    for col in (
+        "preset",
+        "parameters",
+        "layers",
+        "dim",
+        "heads/kv",
+        "ffn",
+        "vocab",
+        f"train GFLOP/token @ seq {args.seq}",
+    ):
+        table.add_column(col, justify="left" if col == "preset" else "right")
+    rows = []
+    for name in names:
+        try:
+            cfg = preset_config(name)
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0])) from None
+        fam = family(cfg.family)
+        params, flops = fam.param_count(cfg), fam.training_flops_per_token(cfg, args.seq)
+        rows.append(
+            {
+                "preset": name,
+                "parameters": params,
+                "flops_per_token": flops,
+                "seq_len": args.seq,
+                **dataclasses.asdict(cfg),
+            }
+        )
+        table.add_row(
+            name,
+            f"{params:,}",
+            str(cfg.n_layers),
+            str(cfg.dim),
+            f"{cfg.n_heads}/{cfg.n_kv_heads}",
+            f"{cfg.ffn_dim:,}",
+            f"{cfg.vocab_size:,}",
+            f"{flops / 1e9:,.2f}",
+        )
+    if args.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+    else:
+        console = _console()
+        console.print(table)
+        console.print(
+            "FLOPs: 6 x matmul weights + 12 x layers x seq x dim per token (Megatron/PaLM "
+            "convention, full attention matrix)."
+        )
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_config(*_split_config_args(args))
+    print(dumps_toml(cfg), end="")
+    return 0
+
+
+# ------------------------------------------------------------------------- parser
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML job file (default: the built-in tiny job)")
+    p.add_argument("--run-dir", help="directory for this run (= --logging.run_dir)")
+    p.set_defaults(accepts_overrides=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperloom",
+        description="Train and run large transformer models. Config keys can be overridden "
+        "as --section.key value (e.g. --train.steps 200).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model (default: tiny Llama on the Python stdlib)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="generate text from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("model", help="model registry")
+    msub = p.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    q = msub.add_parser("info", help="exact parameter count and training FLOPs per token")
+    q.add_argument("name", nargs="?", default="all", help="preset name (default: all)")
+    q.add_argument("--seq", type=int, default=8192, help="sequence length for FLOPs")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_model_info)
+
+    p = sub.add_parser("config", help="configuration")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    q = csub.add_parser("show", help="print the resolved config as TOML")
+    _add_config_args(q)
+    q.set_defaults(func=cmd_config_show)
+    return parser
+
+
+def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split `--section.key value` / `--section.key=value` tokens from argparse's arguments."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("--") and "." in tok.split("=", 1)[0]:
+            overrides.append(tok)
+            if "=" not in tok and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, overrides
+
+
+def _console(stderr: bool = False) -> Console:
+    """stdout console; wide tables stay readable when piped (rich assumes 80 columns)."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=160)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv, overrides = _take_overrides(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if overrides and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
+    _setup_logging(args.verbose)
+    try:
+        parse_overrides(args.overrides)  # syntax errors surface before any work
+        return args.func(args)
+    except _user_errors() as exc:
+        print(f"hyperloom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

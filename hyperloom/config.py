@@ -1,0 +1,562 @@
+"""Typed job configuration: nested dataclasses, TOML presets and dotted command-line overrides.
+
+A job is one `JobConfig` made of sections (model, parallel, precision, train, data, checkpoint,
+logging). Every field carries a one-line doc in its metadata; `hyperloom config show` prints
+the resolved config as TOML with those docs as comments.
+
+Loading happens in three layers, each a plain dict merge before any dataclass exists:
+
+1. the dataclass defaults (which are the default job: the `tiny` model on the built-in corpus);
+2. `model.preset`, if given, replaces the model section's defaults with that preset's values;
+3. the TOML file, then the `--section.key value` overrides, in order.
+
+Only then are the dataclasses built. Unknown keys, wrong types and values outside a field's
+choices are reported with the key's full dotted name; `validate` then checks cross-field
+consistency and shows the arithmetic. Nothing is mutated after construction: a `JobConfig`
+that passed `load_config` is the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; `problems` lists each one."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def knob(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None, choices=None):
+    """A config field with its one-line doc and, optionally, the values it accepts."""
+    meta = {"doc": doc, "choices": tuple(choices) if choices else None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the model. The defaults are the `tiny` preset."""
+
+    preset: str = knob("tiny", "preset from the model registry; keys set here override it")
+    family: str = knob("llama", "model family in the registry", choices=["llama"])
+    vocab_size: int = knob(16384, "vocabulary size (the built-in tokenizer is trained to it)")
+    dim: int = knob(384, "model width (hidden size)")
+    n_layers: int = knob(6, "number of transformer blocks")
+    n_heads: int = knob(6, "attention (query) heads")
+    n_kv_heads: int = knob(2, "key/value heads for grouped-query attention")
+    ffn_dim: int = knob(1024, "SwiGLU hidden width")
+    norm_eps: float = knob(1e-5, "RMSNorm epsilon")
+    rope_theta: float = knob(10000.0, "RoPE base frequency")
+    rope_scaling: float = knob(1.0, "Llama-3.1 RoPE frequency scaling factor (1 = none)")
+    rope_low_freq_factor: float = knob(1.0, "Llama-3.1 RoPE low-frequency factor")
+    rope_high_freq_factor: float = knob(4.0, "Llama-3.1 RoPE high-frequency factor")
+    rope_original_max_seq: int = knob(8192, "context length the RoPE scaling extends from")
+    max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
+    tie_embeddings: bool = knob(False, "share the input embedding with the output head")
+    init_std: float = knob(0.02, "std of the normal weight init (output projections scaled)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout. Their product must equal the world size."""
+
+    dp: int = knob(1, "data-parallel degree")
+    tp: int = knob(1, "tensor-parallel degree")
+    pp: int = knob(1, "pipeline-parallel degree")
+    cp: int = knob(1, "context-parallel degree")
+    ep: int = knob(1, "expert-parallel degree (folds over dp x cp)")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Numeric formats."""
+
+    dtype: str = knob(
+        "bf16",
+        "compute dtype; master weights and optimizer state stay fp32",
+        choices=["bf16", "fp32"],
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    steps: int = knob(300, "optimizer steps to run")
+    stop_at_step: int = knob(
+        0, "save and stop at this step; the schedule still plans train.steps (0 = off)"
+    )
+    micro_batch_size: int = knob(8, "sequences per forward/backward")
+    grad_accum: int = knob(1, "micro-batches accumulated per optimizer step")
+    lr: float = knob(3e-3, "peak learning rate")
+    min_lr_ratio: float = knob(0.1, "final learning rate as a fraction of the peak")
+    schedule: str = knob(
+        "cosine", "LR schedule after warmup", choices=["cosine", "wsd", "constant"]
+    )
+    warmup_steps: int = knob(30, "linear warmup steps")
+    decay_fraction: float = knob(0.2, "wsd: fraction of the steps spent decaying")
+    weight_decay: float = knob(0.1, "AdamW decoupled weight decay (not on norms/biases)")
+    beta1: float = knob(0.9, "AdamW beta1")
+    beta2: float = knob(0.95, "AdamW beta2")
+    eps: float = knob(1e-8, "AdamW epsilon")
+    grad_clip: float = knob(1.0, "max global gradient norm (0 = no clipping)")
+    seed: int = knob(1234, "seed for initialisation and data order")
+    eval_every: int = knob(100, "steps between validations (0 = only at the end)")
+    eval_batches: int = knob(8, "validation batches per evaluation")
+    device: str = knob("auto", "cpu, cuda, musa, ... or auto (see hyperloom.accelerator)")
+    compile: bool = knob(False, "wrap the model in torch.compile")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and packing."""
+
+    source: str = knob(
+        "stdlib",
+        "stdlib = the running Python's standard library source; or text / jsonl files",
+        choices=["stdlib", "text", "jsonl"],
+    )
+    paths: list[str] = knob(doc="files or directories for source text/jsonl", factory=list)
+    text_field: str = knob("text", "JSONL field holding the document text")
+    tokenizer: str = knob("", "path to a tokenizer.json; empty = built-in BPE trained and cached")
+    eos_token: str = knob("<|endoftext|>", "token that separates documents")
+    seq_len: int = knob(256, "tokens per training sequence")
+    val_fraction: float = knob(0.02, "fraction of documents held out for validation")
+    max_corpus_mb: float = knob(0.0, "use a deterministic subset of about this many MB (0 = all)")
+    cache_dir: str = knob(
+        "", "tokenizer/token cache; empty = $HYPERLOOM_CACHE or ~/.cache/hyperloom"
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every: int = knob(0, "steps between checkpoints (0 = only at the end)")
+    keep: int = knob(2, "how many of the newest checkpoints to keep")
+    resume: str = knob(
+        "auto", "auto = newest checkpoint in the run dir; none; or a checkpoint path"
+    )
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What a run reports and where."""
+
+    run_dir: str = knob("runs/default", "directory for metrics, plots, checkpoints")
+    log_every: int = knob(10, "steps between metric lines")
+    peak_tflops: float = knob(0.0, "peak TFLOP/s for MFU; 0 = measure this machine's matmul peak")
+    progress: bool = knob(True, "show a progress bar")
+    plot: bool = knob(True, "write loss_curve.png")
+    sample_prompt: str = knob("def ", "prompt for the sample printed after training ('' = none)")
+    sample_tokens: int = knob(96, "tokens to generate for that sample")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = knob(doc="model architecture", factory=ModelConfig)
+    parallel: ParallelConfig = knob(doc="parallel layout", factory=ParallelConfig)
+    precision: PrecisionConfig = knob(doc="numeric formats", factory=PrecisionConfig)
+    train: TrainConfig = knob(doc="training loop", factory=TrainConfig)
+    data: DataConfig = knob(doc="data", factory=DataConfig)
+    checkpoint: CheckpointConfig = knob(doc="checkpoints", factory=CheckpointConfig)
+    logging: LoggingConfig = knob(doc="reporting", factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------- raw dicts
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section_types() -> dict[str, type]:
+    return dict(_hints(JobConfig).items())
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts (TOML-serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _suggest(name: str, known: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    full = f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else "")
+    return f" (did you mean '{full}'?)" if close else ""
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--train.steps", "200", "--model.dim=256"]` -> `{"train": {"steps": "200"}, ...}`.
+
+    Values stay strings here; they are converted with the field's type when the config is
+    built, so the error for a bad value can name the field and its type.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(
+                f"unexpected argument '{token}': overrides look like --section.key value"
+            )
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and "." in args[i + 1]):
+                raise ConfigError(f"override --{key} has no value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        parts = key.replace("-", "_").split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(
+                f"override --{key}: expected --section.key (e.g. --train.steps 200); "
+                f"sections are {', '.join(_section_types())}"
+            )
+        out.setdefault(parts[0], {})[parts[1]] = _CliValue(value)
+    return out
+
+
+class _CliValue(str):
+    """A string that came from the command line (so '200' may become an int)."""
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    """Check or convert one value against its annotated type; raise with the key named."""
+    origin = typing.get_origin(typ)
+    from_cli = isinstance(value, _CliValue)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(typ)[:1]
+        if from_cli:
+            text = str(value).strip()
+            if text.startswith("["):
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError as exc:
+                    raise ConfigError(f"{key}: cannot read {text!r} as a list ({exc})") from None
+            else:
+                value = [v for v in text.split(",") if v]
+            value = [_CliValue(v) if isinstance(v, str) else v for v in value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported config annotation for {key}: {typ}")  # programming error
+    if typ is bool:
+        if from_cli:
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{key}: expected true or false, got {str(value)!r}")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if from_cli:
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise ConfigError(f"{key}: expected an integer, got {str(value)!r}") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {str(value)!r}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported config annotation for {key}: {typ}")
+
+
+def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """Build one section dataclass from a raw dict, reporting every problem with its key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{prefix}] must be a table, got {raw!r}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}"
+        if name not in fields:
+            problems.append(
+                f"unknown key '{key}'{_suggest(name, list(fields), prefix)}; "
+                f"[{prefix}] accepts: {', '.join(fields)}"
+            )
+            continue
+        try:
+            converted = _convert(value, hints[name], key)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        choices = fields[name].metadata.get("choices")
+        if choices and converted not in choices:
+            problems.append(f"{key} = {converted!r} is not one of: {', '.join(map(repr, choices))}")
+            continue
+        kwargs[name] = converted
+    if problems:
+        raise ConfigError(problems)
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a TOML file, turning I/O and syntax errors into `ConfigError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None
+
+
+def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobConfig:
+    """Build and validate a `JobConfig` from raw nested dicts (TOML or overrides).
+
+    `world_size` defaults to torchrun's WORLD_SIZE (1 outside torchrun).
+    """
+    from hyperloom.models.registry import preset_values  # local: models import config
+
+    sections = _section_types()
+    problems: list[str] = []
+    for name, value in raw.items():
+        if name not in sections:
+            problems.append(
+                f"unknown section '[{name}]'{_suggest(name, list(sections))}; "
+                f"sections are: {', '.join(sections)}"
+            )
+        elif not isinstance(value, dict):
+            problems.append(f"'{name}' must be a table ([{name}]), got {value!r}")
+    if problems:
+        raise ConfigError(problems)
+
+    model_raw = dict(raw.get("model", {}))
+    preset = model_raw.get("preset")
+    if preset is not None:
+        try:
+            base = preset_values(str(preset))
+        except KeyError as exc:
+            raise ConfigError(f"model.preset: {exc.args[0]}") from None
+        # The preset's values are typed already; user keys are layered on top.
+        model_raw = {**base, **model_raw}
+    built: dict[str, Any] = {}
+    for name, cls in sections.items():
+        section_raw = model_raw if name == "model" else raw.get(name, {})
+        try:
+            built[name] = build_section(cls, section_raw, name)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    cfg = JobConfig(**built)
+    validate(cfg, world_size)
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None
+) -> JobConfig:
+    """The job from an optional TOML file plus dotted overrides, validated."""
+    raw = read_toml(path) if path else {}
+    if overrides:
+        raw = _deep_merge(raw, parse_overrides(overrides))
+    return config_from_dict(raw)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def world_size_from_env() -> int:
+    """World size as torchrun announces it (1 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Cross-field checks. Raises `ConfigError` listing every problem, arithmetic shown."""
+    p: list[str] = []
+    m, t, d = cfg.model, cfg.train, cfg.data
+
+    def positive(key: str, value: float) -> bool:
+        if value <= 0:
+            p.append(f"{key} must be positive, got {value}")
+            return False
+        return True
+
+    ok = all(
+        [
+            positive("model.dim", m.dim),
+            positive("model.n_heads", m.n_heads),
+            positive("model.n_kv_heads", m.n_kv_heads),
+        ]
+    )
+    positive("model.n_layers", m.n_layers)
+    positive("model.ffn_dim", m.ffn_dim)
+    positive("model.max_seq_len", m.max_seq_len)
+    positive("model.norm_eps", m.norm_eps)
+    positive("model.rope_theta", m.rope_theta)
+    positive("model.init_std", m.init_std)
+    if m.vocab_size < 2:
+        p.append(f"model.vocab_size must be at least 2, got {m.vocab_size}")
+    if ok:
+        if m.dim % m.n_heads:
+            p.append(
+                f"model.dim ({m.dim}) is not divisible by model.n_heads ({m.n_heads}): "
+                f"{m.dim} / {m.n_heads} = {m.dim / m.n_heads:.4g}"
+            )
+        elif (m.dim // m.n_heads) % 2:
+            p.append(
+                f"head dim model.dim / model.n_heads = {m.dim} / {m.n_heads} = "
+                f"{m.dim // m.n_heads} is odd; RoPE rotates pairs, so it must be even"
+            )
+        if m.n_heads % m.n_kv_heads:
+            p.append(
+                f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads "
+                f"({m.n_kv_heads}): {m.n_heads} / {m.n_kv_heads} = {m.n_heads / m.n_kv_heads:.4g}"
+            )
+    if m.rope_scaling < 1:
+        p.append(f"model.rope_scaling must be >= 1 (1 = no scaling), got {m.rope_scaling}")
+    elif m.rope_scaling > 1 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        p.append(
+            f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
+            f"model.rope_low_freq_factor ({m.rope_low_freq_factor})"
+        )
+
+    positive("train.steps", t.steps)
+    positive("train.micro_batch_size", t.micro_batch_size)
+    positive("train.grad_accum", t.grad_accum)
+    positive("train.lr", t.lr)
+    positive("train.eval_batches", t.eval_batches)
+    if t.warmup_steps < 0:
+        p.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        p.append(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
+    if t.schedule == "wsd" and not 0.0 < t.decay_fraction <= 1.0:
+        p.append(
+            f"train.decay_fraction must lie in (0, 1] for the wsd schedule, got {t.decay_fraction}"
+        )
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            p.append(f"{key} must lie in [0, 1), got {beta}")
+    for key, value in (
+        ("train.weight_decay", t.weight_decay),
+        ("train.grad_clip", t.grad_clip),
+        ("train.eps", t.eps),
+        ("train.eval_every", t.eval_every),
+        ("train.stop_at_step", t.stop_at_step),
+    ):
+        if value < 0:
+            p.append(f"{key} must be >= 0, got {value}")
+
+    if positive("data.seq_len", d.seq_len) and d.seq_len > m.max_seq_len:
+        p.append(
+            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            f"raise model.max_seq_len or shorten the sequences"
+        )
+    if not 0.0 < d.val_fraction < 1.0:
+        p.append(f"data.val_fraction must lie strictly between 0 and 1, got {d.val_fraction}")
+    if d.max_corpus_mb < 0:
+        p.append(f"data.max_corpus_mb must be >= 0 (0 = whole corpus), got {d.max_corpus_mb}")
+    if d.source in ("text", "jsonl") and not d.paths:
+        p.append(f"data.source = '{d.source}' needs data.paths (files or directories)")
+    if d.source == "stdlib" and d.paths:
+        p.append("data.paths is only used with data.source = 'text' or 'jsonl'")
+
+    c, lg = cfg.checkpoint, cfg.logging
+    if c.every < 0:
+        p.append(f"checkpoint.every must be >= 0 (0 = only at the end), got {c.every}")
+    positive("checkpoint.keep", c.keep)
+    positive("logging.log_every", lg.log_every)
+    if lg.peak_tflops < 0:
+        p.append(f"logging.peak_tflops must be >= 0 (0 = measure), got {lg.peak_tflops}")
+    if lg.sample_tokens < 0:
+        p.append(f"logging.sample_tokens must be >= 0, got {lg.sample_tokens}")
+
+    par = cfg.parallel
+    dims = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp}
+    bad = [k for k, v in {**dims, "ep": par.ep}.items() if v < 1]
+    if bad:
+        p.extend(f"parallel.{k} must be >= 1, got {getattr(par, k)}" for k in bad)
+    else:
+        world = world_size_from_env() if world_size is None else world_size
+        product = par.dp * par.tp * par.pp * par.cp
+        if product != world:
+            expr = " * ".join(f"{k}({v})" for k, v in dims.items())
+            p.append(f"{expr} = {product} != world size {world}")
+        if (par.dp * par.cp) % par.ep:
+            p.append(
+                f"parallel.ep ({par.ep}) must divide dp({par.dp}) * cp({par.cp}) = "
+                f"{par.dp * par.cp} (experts fold over data x context parallel)"
+            )
+    if p:
+        raise ConfigError(p)
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def dumps_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML, every key followed by its doc as a comment."""
+    lines: list[str] = []
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        lines.append(f"[{section.name}]  # {type(value).__doc__.strip().splitlines()[0]}")
+        for f in dataclasses.fields(value):
+            rendered = tomli_w.dumps({f.name: getattr(value, f.name)}).strip()
+            doc = f.metadata.get("doc", "")
+            lines.append(f"{rendered:<40} # {doc}" if doc else rendered)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def dump_toml_file(cfg: JobConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(dumps_toml(cfg))

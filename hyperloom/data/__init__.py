@@ -1,0 +1,33 @@
+"""hyperloom.data: corpora, tokenizer, packed token streams and a resumable loader.
+
+    bundle = build_data(cfg.data, vocab_size=model_cfg.vocab_size)
+    loader = ResumableLoader(bundle.train, batch_size, cfg.data.seq_len, seed)
+    inputs, labels = loader.next_batch()          # (batch, seq_len) int64 each
+    evals = val_batches(bundle.val, batch_size, cfg.data.seq_len, n_batches=20)
+
+The config is duck-typed: any object with the DataConfig attributes (source, paths,
+text_field, tokenizer, eos_token, seq_len, val_fraction, max_corpus_mb, cache_dir) works.
+"""
+
+from hyperloom.data.build import DataBundle, build_data, cache_root
+from hyperloom.data.corpus import Document, load_documents, select_subset, split_documents
+from hyperloom.data.dataset import TokenDataset
+from hyperloom.data.errors import DataError
+from hyperloom.data.loader import ResumableLoader, val_batches
+from hyperloom.data.tokenizer import Tokenizer, train_bpe
+
+__all__ = [
+    "DataBundle",
+    "DataError",
+    "Document",
+    "ResumableLoader",
+    "TokenDataset",
+    "Tokenizer",
+    "build_data",
+    "cache_root",
+    "load_documents",
+    "select_subset",
+    "split_documents",
+    "train_bpe",
+    "val_batches",
+]

@@ -1,0 +1,218 @@
+"""build_data: config -> tokenizer + packed train/val token streams, cached on disk.
+
+Training a tokenizer and tokenizing 30 MB takes tens of seconds; every later run with the
+same data should take well under one. So the results (tokenizer.json, train.npy, val.npy,
+info.json) live in a cache folder named by a hash of *everything that determines their
+content*: the format version, source, the resolved file list with sizes and mtimes, the
+JSONL field, split fraction, subset size, vocab size, eos token, the user tokenizer's path
+and content hash, the tokenizer-training cap and the `tokenizers` version. Editing a corpus
+file changes its mtime and hence the folder; nothing is ever invalidated in place.
+
+Each file is written to a temporary name in the same folder and moved into place with
+`os.replace`, which is atomic on POSIX and Windows, so a concurrent process sees either no
+file or a whole one. `info.json` is written last and marks the folder complete. Two
+processes racing on a cold cache both build, and both write identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+
+from hyperloom.data.corpus import (
+    SourceFile,
+    file_fingerprint,
+    load_documents,
+    resolve_files,
+    select_subset,
+    split_documents,
+)
+from hyperloom.data.dataset import TokenDataset
+from hyperloom.data.errors import DataError, fmt_int
+from hyperloom.data.tokenizer import TRAIN_CAP_MB, Tokenizer, encode_documents, train_bpe
+
+logger = logging.getLogger("hyperloom.data")
+
+FORMAT_VERSION = 1  # bump when the cached layout or packing scheme changes
+
+
+@dataclass
+class DataBundle:
+    """Everything training needs from the data: the tokenizer and the two packed splits."""
+
+    tokenizer: Tokenizer
+    train: TokenDataset
+    val: TokenDataset
+    corpus_info: dict[str, Any]
+
+
+def cache_root(cfg: Any) -> Path:
+    """cfg.cache_dir, else $HYPERLOOM_CACHE, else ~/.cache/hyperloom."""
+    root = cfg.cache_dir or os.environ.get("HYPERLOOM_CACHE") or "~/.cache/hyperloom"
+    return Path(root).expanduser()
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cache_key(cfg: Any, files: Sequence[SourceFile], vocab_size: int) -> str:
+    """Hex digest of every input that determines the cached tokenizer and token arrays."""
+    user_tok = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
+    parts = {
+        "format": FORMAT_VERSION,
+        "source": cfg.source,
+        "files": file_fingerprint(files),
+        "text_field": cfg.text_field,
+        "val_fraction": float(cfg.val_fraction),
+        "max_corpus_mb": float(cfg.max_corpus_mb),
+        "vocab_size": int(vocab_size),
+        "eos_token": cfg.eos_token,
+        "tokenizer": [str(user_tok), _sha256_file(user_tok)] if user_tok else None,
+        "tokenizer_train_cap_mb": TRAIN_CAP_MB,
+        "tokenizers_version": tokenizers.__version__,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) on a temp file next to `dest`, then atomically rename it into place."""
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_npy(dest: Path, array: np.ndarray) -> None:
+    def write(tmp: Path) -> None:
+        # A file handle, because np.save(path) would append ".npy" to the temp name.
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
+
+    _atomic_write(dest, write)
+
+
+def _load_user_tokenizer(cfg: Any, vocab_size: int) -> Tokenizer:
+    tok = Tokenizer.load(cfg.tokenizer, cfg.eos_token)
+    if tok.vocab_size > vocab_size:
+        raise DataError(
+            f"tokenizer {cfg.tokenizer!r} has {fmt_int(tok.vocab_size)} tokens but the model's "
+            f"vocab_size is {fmt_int(vocab_size)}; set the model vocab_size to at least "
+            f"{fmt_int(tok.vocab_size)} or use a smaller tokenizer"
+        )
+    return tok
+
+
+def _check_fits(bundle: DataBundle, seq_len: int) -> None:
+    """Both splits must hold at least one (seq_len + 1)-token window."""
+    for ds in (bundle.train, bundle.val):
+        if ds.num_sequences(seq_len) == 0:
+            docs = bundle.corpus_info[f"{ds.name}_documents"]
+            raise DataError(
+                f"seq_len({seq_len}) is larger than the {ds.name} split can fill: it has "
+                f"{fmt_int(len(ds))} tokens in {fmt_int(docs)} document(s) and one sequence "
+                f"needs seq_len + 1 = {fmt_int(seq_len + 1)}. Lower seq_len, or raise "
+                "val_fraction / max_corpus_mb."
+            )
+
+
+def _load_cached(folder: Path, cfg: Any, user_tok: Tokenizer | None) -> DataBundle:
+    tok = user_tok or Tokenizer.load(folder / "tokenizer.json", cfg.eos_token)
+    info = json.loads((folder / "info.json").read_text())
+    info["cache_hit"] = True
+    return DataBundle(
+        tokenizer=tok,
+        train=TokenDataset.load(folder / "train.npy", "train"),
+        val=TokenDataset.load(folder / "val.npy", "val"),
+        corpus_info=info,
+    )
+
+
+def build_data(cfg: Any, vocab_size: int) -> DataBundle:
+    """Read, split, tokenize and pack the configured corpus, or reuse the cached result.
+
+    `vocab_size` is the model's vocabulary: the built-in tokenizer is trained to exactly
+    that size, and a user tokenizer must not exceed it.
+    """
+    files = resolve_files(cfg)
+    # Load a user tokenizer first: a bad tokenizer should fail before minutes of reading.
+    user_tok = _load_user_tokenizer(cfg, vocab_size) if cfg.tokenizer else None
+    folder = cache_root(cfg) / f"data-{cache_key(cfg, files, vocab_size)[:20]}"
+    if (folder / "info.json").is_file():
+        logger.info("using cached tokenizer and token arrays from %s", folder)
+        bundle = _load_cached(folder, cfg, user_tok)
+        _check_fits(bundle, cfg.seq_len)
+        return bundle
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    docs = select_subset(load_documents(cfg, files), cfg.max_corpus_mb)
+    nbytes = sum(d.nbytes for d in docs)
+    logger.info(
+        "read %s documents (%.1f MB) from %s %r files in %.1f s",
+        fmt_int(len(docs)),
+        nbytes / 1e6,
+        fmt_int(len(files)),
+        cfg.source,
+        time.perf_counter() - t0,
+    )
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+
+    tok_path = folder / "tokenizer.json"
+    if user_tok is not None:
+        tok = user_tok
+    elif tok_path.is_file():  # a previous build got this far before stopping
+        logger.info("using cached tokenizer %s", tok_path)
+        tok = Tokenizer.load(tok_path, cfg.eos_token)
+    else:
+        tok = train_bpe(train_docs, vocab_size, cfg.eos_token)
+        _atomic_write(tok_path, tok.save)
+
+    t0 = time.perf_counter()
+    train = encode_documents(tok, train_docs)
+    val = encode_documents(tok, val_docs)
+    logger.info(
+        "tokenized %.1f MB into %s tokens (train %s, val %s) in %.1f s",
+        nbytes / 1e6,
+        fmt_int(len(train) + len(val)),
+        fmt_int(len(train)),
+        fmt_int(len(val)),
+        time.perf_counter() - t0,
+    )
+    _save_npy(folder / "train.npy", train)
+    _save_npy(folder / "val.npy", val)
+
+    info = {
+        "source": cfg.source,
+        "files": len(files),
+        "documents": len(docs),
+        "train_documents": len(train_docs),
+        "val_documents": len(val_docs),
+        "train_tokens": int(len(train)),
+        "val_tokens": int(len(val)),
+        "bytes": nbytes,
+        "tokenizer": str(cfg.tokenizer) if cfg.tokenizer else "built-in byte-level BPE",
+        "vocab_size": tok.vocab_size,
+        "cache_dir": str(folder),
+    }
+    # Written last: its presence is what marks the folder as complete.
+    _atomic_write(folder / "info.json", lambda p: p.write_text(json.dumps(info, indent=2)))
+    bundle = _load_cached(folder, cfg, user_tok)
+    bundle.corpus_info["cache_hit"] = False
+    _check_fits(bundle, cfg.seq_len)
+    return bundle

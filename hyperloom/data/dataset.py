@@ -1,0 +1,74 @@
+"""TokenDataset: a packed stream of token ids, cut into fixed-length training windows.
+
+Documents are concatenated, each followed by eos, into one 1-D array (the GPT-2/nanoGPT
+"packing" scheme): no padding is wasted, and the model learns document boundaries from the
+eos token. Sequence i is the window ``tokens[i*L : i*L + L + 1]`` for seq_len L -- inputs
+are its first L tokens, labels its last L -- so consecutive windows overlap by exactly one
+token and every token except the first is a label exactly once per epoch.
+
+The array is usually a read-only memory map of the cached ``.npy`` file, so a large corpus
+costs page cache rather than process memory, and forked workers share it for free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hyperloom.data.errors import DataError
+
+
+class TokenDataset:
+    """A 1-D array of token ids (documents joined, each followed by eos)."""
+
+    def __init__(self, tokens: np.ndarray, name: str = "tokens") -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"TokenDataset expects a 1-D array, got shape {tokens.shape}")
+        self.tokens = tokens
+        self.name = name
+
+    @classmethod
+    def load(cls, path: str | Path, name: str | None = None) -> TokenDataset:
+        """Memory-map a packed ``.npy`` token file."""
+        path = Path(path)
+        return cls(np.load(path, mmap_mode="r"), name or path.stem)
+
+    def __len__(self) -> int:
+        """Number of tokens."""
+        return int(self.tokens.shape[0])
+
+    def num_sequences(self, seq_len: int) -> int:
+        """Non-overlapping windows of seq_len+1 tokens with stride seq_len."""
+        _check_seq_len(seq_len)
+        # Window i needs tokens up to index i*seq_len + seq_len, so i <= (n - 1 - seq_len) / L.
+        return max(0, (len(self) - 1) // seq_len)
+
+    def starts(self, seq_len: int) -> np.ndarray:
+        """Start offset of every window: the arithmetic the loader relies on, in one place."""
+        return np.arange(self.num_sequences(seq_len), dtype=np.int64) * seq_len
+
+    def windows(self, indices: np.ndarray | list[int], seq_len: int) -> torch.Tensor:
+        """Windows for several sequence indices at once, as (len(indices), seq_len+1) int64."""
+        idx = np.asarray(indices, dtype=np.int64)
+        n = self.num_sequences(seq_len)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"sequence index out of range for {n} sequences of {seq_len}")
+        offsets = idx[:, None] * seq_len + np.arange(seq_len + 1, dtype=np.int64)[None, :]
+        # Fancy indexing copies out of the memory map; astype gives torch a dtype it accepts.
+        block = self.tokens[offsets].astype(np.int64)  # (batch, seq_len + 1)
+        return torch.from_numpy(block)
+
+    def sequence(self, i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of sequence i, each int64 of shape (seq_len,)."""
+        window = self.windows([i], seq_len)[0]  # (seq_len + 1,)
+        return window[:-1].clone(), window[1:].clone()
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({self.name!r}, tokens={len(self):,}, dtype={self.tokens.dtype})"
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")

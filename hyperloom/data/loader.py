@@ -1,0 +1,180 @@
+"""ResumableLoader: deterministic, resumable batches from a TokenDataset; fixed val batches.
+
+Exact resumption is what makes a restarted run indistinguishable from an uninterrupted one,
+so the loader's whole state is two integers -- the epoch and the position inside that
+epoch's order -- plus the values that must match for those integers to mean the same thing
+(seed, number of sequences, seq_len, shuffle). The epoch's order is never stored: it is
+recomputed from a `torch.Generator` seeded by `epoch_seed(seed, epoch)`, a fixed integer
+mix (not Python's salted `hash()`), so it is identical on every machine and restart.
+
+Batches flow across epoch boundaries: a batch may hold the last sequences of epoch e
+followed by the first ones of epoch e+1. Every sequence is thus seen exactly once
+per epoch and no partial batch is ever produced or dropped.
+
+A state may be loaded with a different batch size: the position counts sequences, not
+batches, so the stream of sequences continues where it left off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from hyperloom.data.dataset import TokenDataset
+from hyperloom.data.errors import DataError, fmt_int
+
+logger = logging.getLogger("hyperloom.data")
+
+_STATE_VERSION = 1
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive seeds far apart
+_MASK63 = (1 << 63) - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed for one epoch's order: a deterministic, hash-free integer mix."""
+    return (seed * _MIX + epoch * 0x632BE59BD9B4E019 + 1) & _MASK63
+
+
+def _split(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # windows: (batch, seq_len + 1) -> inputs and next-token labels, each (batch, seq_len)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class ResumableLoader:
+    """Endless (inputs, labels) batches in a seeded per-epoch order, resumable exactly."""
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.num_sequences = dataset.num_sequences(seq_len)
+        if self.num_sequences == 0:
+            raise DataError(
+                f"dataset {dataset.name!r} has {fmt_int(len(dataset))} tokens; one sequence "
+                f"needs seq_len({seq_len}) + 1 = {fmt_int(seq_len + 1)}"
+            )
+        if batch_size > self.num_sequences:
+            logger.warning(
+                "batch_size %d exceeds the %d sequences of %r: every batch repeats sequences",
+                batch_size,
+                self.num_sequences,
+                dataset.name,
+            )
+        self.epoch = 0
+        self.index = 0  # position within the current epoch's order
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+                self._order = torch.randperm(self.num_sequences, generator=gen).numpy()
+            else:
+                self._order = np.arange(self.num_sequences, dtype=np.int64)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, labels), each int64 of shape (batch_size, seq_len)."""
+        picked: list[np.ndarray] = []
+        need = self.batch_size
+        while need > 0:
+            order = self._epoch_order()
+            take = order[self.index : self.index + need]
+            picked.append(take)
+            need -= len(take)
+            self.index += len(take)
+            if self.index == self.num_sequences:
+                self.epoch += 1
+                self.index = 0
+        return _split(self.dataset.windows(np.concatenate(picked), self.seq_len))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless batches; the loader never stops on its own (epochs roll over)."""
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Small plain-Python state: enough to continue the exact same stream of batches."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "num_sequences": self.num_sequences,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; refuses one taken on a different dataset, seed or layout."""
+        mine = self.state_dict()
+        for key in ("num_sequences", "seed", "seq_len", "shuffle"):
+            if key not in state:
+                raise DataError(f"loader state lacks {key!r}; keys present: {sorted(state)}")
+            if state[key] != mine[key]:
+                raise DataError(
+                    f"loader state does not match this loader: saved {key}={state[key]!r}, "
+                    f"this loader has {key}={mine[key]!r} (dataset {self.dataset.name!r}). "
+                    "Resume with the same data config, seed and seq_len, or start afresh."
+                )
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self.num_sequences:
+            raise DataError(
+                f"loader state has epoch={epoch}, index={index}; need epoch >= 0 and "
+                f"0 <= index < {self.num_sequences}"
+            )
+        if state.get("batch_size", self.batch_size) != self.batch_size:
+            logger.info(
+                "resuming loader with batch_size %d (saved with %d); the sequence stream continues",
+                self.batch_size,
+                state["batch_size"],
+            )
+        self.epoch, self.index = epoch, index
+
+
+def val_batches(
+    dataset: TokenDataset, batch_size: int, seq_len: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `n_batches` full batches in order (fewer if the split is small).
+
+    Evaluating the same fixed batches every time makes validation losses comparable across
+    steps and runs. Raises DataError if not even one batch fits.
+    """
+    if batch_size < 1 or n_batches < 1:
+        raise DataError(f"batch_size and n_batches must be >= 1, got {batch_size}, {n_batches}")
+    available = dataset.num_sequences(seq_len) // batch_size
+    if available == 0:
+        need = batch_size * seq_len + 1
+        raise DataError(
+            f"{dataset.name} split has {fmt_int(len(dataset))} tokens; one batch needs "
+            f"batch_size({batch_size}) x seq_len({seq_len}) + 1 = {fmt_int(need)} "
+            "(windows overlap by one token). Raise val_fraction or lower seq_len/batch size."
+        )
+    if available < n_batches:
+        logger.warning(
+            "%s split fills only %d of the %d requested batches", dataset.name, available, n_batches
+        )
+    out = []
+    for b in range(min(n_batches, available)):
+        idx = np.arange(b * batch_size, (b + 1) * batch_size, dtype=np.int64)
+        out.append(_split(dataset.windows(idx, seq_len)))
+    return out

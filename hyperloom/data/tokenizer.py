@@ -1,0 +1,167 @@
+"""Tokenizer: a thin wrapper over HF `tokenizers`, and the built-in byte-level BPE trainer.
+
+The built-in tokenizer is a GPT-2 style byte-level BPE (Sennrich et al. 2016; Radford et
+al. 2019): text is mapped to bytes first, so every string -- unicode, tabs, runs of
+indentation -- encodes and decodes losslessly, and the base alphabet is the 256 byte
+symbols rather than whatever characters the corpus happened to contain. It is trained on
+the *training* split only (the validation loss must not see its own documents through
+the merges) and on at most `TRAIN_CAP_MB` of it: BPE merge counts stabilise long before
+30 MB and training time grows with the corpus, so the cap keeps a first run quick.
+
+`add_prefix_space=False` keeps decode(encode(x)) == x exactly (GPT-2's default prepends a
+space). Special tokens are never added by `encode` and never skipped by `decode`, so the
+eos token survives a round trip and the packed stream is exactly what the model sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from hyperloom.data.corpus import Document, stable_unit
+from hyperloom.data.errors import DataError, fmt_int
+
+logger = logging.getLogger("hyperloom.data")
+
+TRAIN_CAP_MB = 8.0  # most training text the built-in BPE is trained on
+_BYTE_ALPHABET = 256
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the id of the document separator (eos)."""
+
+    def __init__(self, backend: HFTokenizer, eos_token: str = "<|endoftext|>") -> None:
+        eos_id = backend.token_to_id(eos_token)
+        if eos_id is None:
+            raise DataError(
+                f"eos token {eos_token!r} is not in the tokenizer's vocabulary "
+                f"({fmt_int(backend.get_vocab_size())} tokens); set data.eos_token to the "
+                "token this tokenizer uses to separate documents"
+            )
+        self.backend = backend
+        self.eos_token = eos_token
+        self.eos_id: int = eos_id
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts on the Rust thread pool (much faster than a Python loop)."""
+        # encode_batch_fast (tokenizers >= 0.20) skips computing offsets we never use.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer as a `tokenizer.json` file (HF tokenizers format)."""
+        self.backend.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, eos_token: str = "<|endoftext|>") -> Tokenizer:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(
+                f"tokenizer file {str(path)!r} does not exist (expected tokenizer.json)"
+            )
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception on parse errors
+            raise DataError(f"cannot read tokenizer {str(path)!r}: {e}") from e
+        try:
+            return cls(backend, eos_token)
+        except DataError as e:
+            raise DataError(f"tokenizer {str(path)!r}: {e}") from None
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}:{self.eos_id})"
+
+
+def _training_texts(docs: Sequence[Document], cap_mb: float) -> tuple[list[str], int]:
+    """A deterministic subset of about `cap_mb` MB, sampled across the whole corpus."""
+    budget = int(cap_mb * 1e6)
+    order = sorted(docs, key=lambda d: stable_unit(d.id, "tokenizer"))
+    texts, total = [], 0
+    for d in order:
+        if total >= budget:
+            break
+        texts.append(d.text)
+        total += d.nbytes
+    return texts, total
+
+
+def train_bpe(
+    docs: Sequence[Document], vocab_size: int, eos_token: str, cap_mb: float = TRAIN_CAP_MB
+) -> Tokenizer:
+    """Train a byte-level BPE with exactly `vocab_size` entries (eos included) on `docs`."""
+    if vocab_size < _BYTE_ALPHABET + 1:
+        raise DataError(
+            f"vocab_size {vocab_size} is too small for the built-in byte-level BPE: it needs at "
+            f"least {_BYTE_ALPHABET + 1} (256 byte symbols + the eos token)"
+        )
+    texts, nbytes = _training_texts(docs, cap_mb)
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    logger.info(
+        "training tokenizer on %.1f MB (%s documents) to vocab %s ...",
+        nbytes / 1e6,
+        fmt_int(len(texts)),
+        fmt_int(vocab_size),
+    )
+    t0 = time.perf_counter()
+    backend.train_from_iterator(_batched(texts), trainer=trainer, length=len(texts))
+    tok = Tokenizer(backend, eos_token)
+    logger.info("trained tokenizer in %.1f s", time.perf_counter() - t0)
+    if tok.vocab_size < vocab_size:
+        # A tiny corpus can run out of pairs to merge; the model just has unused rows.
+        logger.warning(
+            "corpus too small for vocab %s: tokenizer stopped at %s tokens",
+            fmt_int(vocab_size),
+            fmt_int(tok.vocab_size),
+        )
+    return tok
+
+
+def _batched(texts: Sequence[str], size: int = 256) -> Iterator[list[str]]:
+    # Lists of strings let the Rust side count pairs in parallel within each batch.
+    for i in range(0, len(texts), size):
+        yield list(texts[i : i + size])
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id: halves the cache for vocab <= 65536."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def encode_documents(tok: Tokenizer, docs: Sequence[Document], chunk_docs: int = 512) -> np.ndarray:
+    """Tokenize and pack documents into one 1-D array, each document followed by eos.
+
+    Works in chunks so only one chunk's Python id lists are alive at a time; a 30 MB corpus
+    as Python ints would otherwise cost gigabytes.
+    """
+    dtype = token_dtype(tok.vocab_size)
+    parts: list[np.ndarray] = []
+    eos = np.array([tok.eos_id], dtype=dtype)
+    for i in range(0, len(docs), chunk_docs):
+        chunk = [d.text for d in docs[i : i + chunk_docs]]
+        for ids in tok.encode_batch(chunk):
+            parts.append(np.asarray(ids, dtype=dtype))
+            parts.append(eos)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)

@@ -1,0 +1,68 @@
+"""Rotary position embedding (RoPE) with Llama-3.1 frequency scaling — reference path.
+
+RoPE (Su et al., arXiv 2104.09864) rotates each pair of channels of a query/key by an angle
+proportional to the token position, so the attention score depends only on relative
+position. We use the "half-split" pairing (channel i with channel i + d/2, Hugging Face's
+`rotate_half`), so Hugging Face Llama checkpoints load without permuting q/k weights; Meta's
+original checkpoints use interleaved pairs, which differ only by a fixed permutation of the
+q/k output rows that the checkpoint adapter applies.
+
+Llama 3.1 extends the context by rescaling the inverse frequencies (Meta's
+`apply_scaling`): wavelengths shorter than `original_max / high_freq_factor` are kept,
+longer than `original_max / low_freq_factor` are divided by `factor`, and the band in between
+is interpolated smoothly. The tables are computed in float64 and stored in float32, since an
+fp32 `arange * inv_freq` loses precision at positions of 100k+.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies, shape (head_dim // 2,), float64, Llama-3.1 scaled when scaling > 1."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling <= 1.0:
+        return inv_freq
+    low_wavelen = original_max_seq / low_freq_factor
+    high_wavelen = original_max_seq / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Interpolation weight: 0 at the low-frequency end of the band, 1 at the high end.
+    smooth = (original_max_seq / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling, inv_freq)
+    blended = (1 - smooth) * inv_freq / scaling + smooth * inv_freq
+    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim), float32, half-split layout."""
+    pos = torch.arange(max_seq_len, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)  # (seq, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (batch, seq, heads, head_dim) by tables of shape (seq, head_dim).
+
+    Computed in float32 and returned in x's dtype, so bf16 activations keep exact angles.
+    """
+    cos = cos[None, :, None, :]  # (1, seq, 1, head_dim)
+    sin = sin[None, :, None, :]
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

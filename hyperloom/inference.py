@@ -1,0 +1,147 @@
+"""Text generation from a trained checkpoint: KV-cached decoding with temperature, top-k, top-p.
+
+With the cache, the prompt is run once (prefill) and every new token costs one position;
+without it (`use_cache=False`) each step re-runs the whole sequence, which is slower but is
+the reference the cached path is tested against (greedy decoding gives the same tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hyperloom.accelerator import DTYPES, Accelerator, get_accelerator
+from hyperloom.config import JobConfig, config_from_dict, read_toml
+from hyperloom.data import Tokenizer
+from hyperloom.models.llama import KVCache
+from hyperloom.models.registry import build_model
+from hyperloom.train import checkpoint as ckpt
+
+log = logging.getLogger("hyperloom.generate")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask (to -inf) all but the top-k tokens and the smallest set with mass >= top_p."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> int:
+    """One token id from the last position's logits (vocab,); temperature 0 = greedy."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    seed: int = 0,
+    acc: Accelerator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[int]:
+    """Continue `prompt`; stops at `max_new_tokens`, at `eos_id`, or at model.max_seq_len."""
+    if not prompt:
+        raise ValueError("the prompt encodes to zero tokens; give at least one character")
+    acc = acc or Accelerator("cpu")
+    limit = model.cfg.max_seq_len
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's limit is {limit}")
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    total = min(limit, len(prompt) + max_new_tokens)
+    tokens = list(prompt)
+    cache = KVCache.allocate(model.cfg, 1, total, acc.device, dtype) if use_cache else None
+    pos = 0
+    while len(tokens) < total:
+        # With a cache, feed only the tokens the cache has not seen yet.
+        chunk = tokens[pos:] if use_cache else tokens
+        x = torch.tensor([chunk], device=acc.device)
+        with acc.autocast(dtype):
+            logits = model(x, cache=cache, start_pos=pos if use_cache else 0)
+        if use_cache:
+            pos = len(tokens)
+        nxt = sample_next(logits[0, -1], temperature, top_k, top_p, gen)
+        tokens.append(nxt)
+        if eos_id is not None and nxt == eos_id:
+            break
+    return tokens[len(prompt) :]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    cfg: JobConfig
+    checkpoint: Path
+    acc: Accelerator
+
+
+def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedModel:
+    """Model + tokenizer + config from a checkpoint directory or a run directory."""
+    ckpt_dir = ckpt.resolve_checkpoint(path)
+    ckpt.verify_checkpoint(ckpt_dir)
+    raw = read_toml(ckpt_dir / "config.toml")
+    p = raw.get("parallel", {})
+    world = 1
+    for k in ("dp", "tp", "pp", "cp"):
+        world *= int(p.get(k, 1))
+    cfg = config_from_dict(raw, world_size=world)
+    acc = get_accelerator(device)
+    model = build_model(cfg.model).materialize(acc.device, seed=0)
+    model.load_state_dict(ckpt.load_model_state(ckpt_dir))
+    tok = Tokenizer.load(ckpt_dir / "tokenizer.json", eos_token=cfg.data.eos_token)
+    return LoadedModel(model, tok, cfg, ckpt_dir, acc)
+
+
+def complete(
+    loaded: LoadedModel, prompt: str, max_new_tokens: int, **kwargs
+) -> tuple[str, dict[str, float]]:
+    """Generate text for `prompt`; returns (continuation, stats)."""
+    ids = loaded.tokenizer.encode(prompt)
+    start = time.perf_counter()
+    out = generate(
+        loaded.model,
+        ids,
+        max_new_tokens,
+        eos_id=loaded.tokenizer.eos_id,
+        acc=loaded.acc,
+        dtype=DTYPES[loaded.cfg.precision.dtype],
+        **kwargs,
+    )
+    seconds = time.perf_counter() - start
+    return loaded.tokenizer.decode(out), {
+        "prompt_tokens": len(ids),
+        "new_tokens": len(out),
+        "seconds": seconds,
+        "tokens_per_s": len(out) / seconds if seconds > 0 else 0.0,
+    }

@@ -1,0 +1,107 @@
+"""Hugging Face `transformers` interop for the Llama family: config and state-dict names.
+
+hyperloom's RoPE uses the same half-split channel pairing as `LlamaForCausalLM`, so weights
+map one to one by name; no q/k permutation is needed (Meta's original checkpoints would need
+one). `transformers` is an optional dependency (`pip install hyperloom[hf]`) and is imported
+only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+
+from hyperloom.config import ModelConfig
+
+# hyperloom name pattern -> Hugging Face name pattern ({i} = layer index).
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_TO_OURS = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TOP_TO_OURS = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def to_hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for hyperloom parameter '{name}'")
+
+
+def from_hf_name(name: str) -> str:
+    if name in _HF_TOP_TO_OURS:
+        return _HF_TOP_TO_OURS[name]
+    m = _HF_LAYER_RE.match(name)
+    if m and m.group(2) in _HF_TO_OURS:
+        return f"layers.{m.group(1)}.{_HF_TO_OURS[m.group(2)]}"
+    raise KeyError(f"no hyperloom name for Hugging Face parameter '{name}'")
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {to_hf_name(k): v for k, v in state.items()}
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face Llama state dict; drops rotary buffers and a tied lm_head."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        out[from_hf_name(name)] = tensor
+    return out
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """A `transformers.LlamaConfig` describing the same architecture."""
+    from transformers import LlamaConfig
+
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.rope_scaling > 1:
+        rope = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq,
+        }
+    kwargs: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        hidden_act="silu",
+    )
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+        kwargs["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}  # transformers >= 5
+    else:
+        kwargs["rope_theta"] = cfg.rope_theta
+        kwargs["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    return LlamaConfig(**kwargs)

@@ -1,0 +1,222 @@
+"""Llama-3-family decoder, single-device code only (parallelism is applied from outside).
+
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al., arXiv
+2302.13971; Llama 3, arXiv 2407.21783). Attention is grouped-query (Ainslie et al., arXiv
+2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling) from
+`hyperloom.engine.ops.rope`. Parameter names follow Meta's reference code (`tok_embeddings`,
+`layers.N.attention.wq`, `feed_forward.w1`, ...); `hyperloom.models.llama.hf` maps them to
+Hugging Face names.
+
+The model is built on the meta device and materialised with `to_empty` + `init_weights(seed)`,
+so an 8B model costs nothing until it is placed, and the initial weights depend only on the
+seed: every parameter draws from one generator in a fixed (parameter-name) order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperloom.config import ModelConfig
+from hyperloom.engine.ops.rope import apply_rope, rope_inv_freq, rope_tables
+
+
+@dataclass
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding, one pair per layer.
+
+    Each tensor is (batch, max_len, n_kv_heads, head_dim); positions [0, length) are filled.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> KVCache:
+        head_dim = cfg.dim // cfg.n_heads
+        shape = (batch, max_len, cfg.n_kv_heads, head_dim)
+        return cls(
+            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)],
+            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)],
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def update(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v for positions [start, start+seq) and return all keys/values so far."""
+        end = start + k.shape[1]
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)  # (b, s, h, d)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # (b, s, kv, d)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
+        # SDPA wants (b, heads, s, d).
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.n_kv_heads != self.n_heads:
+            # Grouped-query attention: each kv head serves n_heads/n_kv_heads query heads.
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=1)  # (b, h, kv_len, d)
+            v = v.repeat_interleave(rep, dim=1)
+        if start_pos == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif seq == 1:
+            out = F.scaled_dot_product_attention(q, k, v)  # one new token sees everything
+        else:
+            # New block of queries after a cached prefix: query i sits at start_pos + i.
+            kv_len = k.shape[2]
+            q_pos = torch.arange(start_pos, start_pos + seq, device=x.device)
+            mask = q_pos[:, None] >= torch.arange(kv_len, device=x.device)[None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x) (Shazeer, arXiv 2002.05202)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich, arXiv 1910.07467), normalised in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, cache=None, start_pos=0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = self._rope_tables(torch.device("meta"))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        head_dim = c.dim // c.n_heads
+        if device.type == "meta":
+            empty = torch.empty(c.max_seq_len, head_dim, device=device)
+            return empty, empty.clone()
+        inv = rope_inv_freq(
+            head_dim,
+            c.rope_theta,
+            c.rope_scaling,
+            c.rope_low_freq_factor,
+            c.rope_high_freq_factor,
+            c.rope_original_max_seq,
+        )
+        cos, sin = rope_tables(inv, c.max_seq_len)
+        return cos.to(device), sin.to(device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, independent of device and of how the model is split.
+
+        Normal(0, init_std) for embeddings and input projections; output projections (wo, w2)
+        use init_std / sqrt(2 * n_layers) so the residual stream's variance does not grow
+        with depth (GPT-2, Radford et al. 2019). Norm weights start at one.
+        """
+        c = self.cfg
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = out_std if name.endswith(("wo.weight", "w2.weight")) else c.init_std
+            # Drawn on CPU so the values do not depend on the target device's RNG.
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        self.rope_cos, self.rope_sin = self._rope_tables(self.tok_embeddings.weight.device)
+
+    def materialize(self, device: torch.device, seed: int) -> Llama:
+        """Allocate storage on `device` (from the meta device) and initialise from `seed`."""
+        self.to_empty(device=device)
+        self.init_weights(seed)
+        return self
+
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if start_pos + seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
+                f"({self.cfg.max_seq_len})"
+            )
+        cos = self.rope_cos[start_pos : start_pos + seq]  # (s, head_dim)
+        sin = self.rope_sin[start_pos : start_pos + seq]
+        h = self.tok_embeddings(tokens)  # (b, s, dim)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, start_pos)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight)  # (b, s, vocab)

@@ -1,0 +1,152 @@
+"""Single-process checkpoints: atomic, self-describing, resumable bit for bit.
+
+A checkpoint is a directory `RUN_DIR/checkpoints/step_00000300/` holding
+
+- `model.safetensors`: the FP32 weights, Hugging-Face-style safetensors (readable by others);
+- `train_state.pt`: optimizer state, step, data-loader position, every RNG stream;
+- `config.toml`: the resolved job config; `tokenizer.json`: the tokenizer;
+- `meta.json`: step, tokens seen, last loss, and SHA-256 of each file above.
+
+It is written into `step_….tmp/` and renamed into place only when complete, so a crash
+mid-save never leaves a directory that looks finished; `latest_checkpoint` ignores anything
+else. The resilience work (sharded, asynchronous saves) replaces the writer, not the layout's
+promise: a checkpoint directory without `.tmp` is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger("hyperloom.checkpoint")
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the job."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state(device_rng: torch.Tensor | None) -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": device_rng,
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> torch.Tensor | None:
+    """Restore host RNGs; returns the device RNG state for the accelerator to set."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    return state.get("device")
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    extra_files: dict[str, str | bytes],
+    meta: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write a complete checkpoint atomically and prune to the newest `keep`."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    # safetensors wants contiguous tensors that do not share storage.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    torch.save(train_state, tmp / "train_state.pt")
+    for name, content in extra_files.items():
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with (tmp / name).open(mode) as f:
+            f.write(content)
+    hashes = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sha256": hashes}, indent=2))
+    if final.exists():  # re-saving the same step (e.g. after a rollback) replaces it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    log.info("saved checkpoint %s", final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name)]
+    return sorted(p for p in found if (p / "meta.json").is_file())
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a run directory (its newest checkpoint)."""
+    p = Path(path)
+    if (p / "meta.json").is_file() and (p / "model.safetensors").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(
+            f"'{p}' is neither a checkpoint directory (with meta.json and model.safetensors) "
+            f"nor a run directory with a complete checkpoint under {checkpoint_root(p)}"
+        )
+    return latest
+
+
+def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """Check every file against the SHA-256 in meta.json; return the meta."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for name, digest in meta.get("sha256", {}).items():
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its SHA-256")
+    return meta
+
+
+def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def load_train_state(ckpt: Path) -> dict[str, Any]:
+    # Our own file with numpy RNG state inside, hence weights_only=False; integrity was
+    # checked against meta.json first.
+    return torch.load(ckpt / "train_state.pt", weights_only=False)

@@ -1,0 +1,58 @@
+"""AdamW with decoupled weight decay, and the learning-rate schedules.
+
+Schedules are pure functions of the step, so "the LR schedule's state" in a checkpoint is
+just the step: resuming can never drift from an uninterrupted run.
+
+- cosine: linear warmup to the peak, then half a cosine down to `min_lr_ratio * lr`
+  (Loshchilov & Hutter, arXiv 1608.03983, without restarts).
+- wsd: warmup-stable-decay (Hu et al., MiniCPM, arXiv 2404.06395): warmup, a constant peak,
+  then a linear decay to the floor over the last `decay_fraction` of the steps. A run can be
+  extended from any stable-phase checkpoint by changing only `train.steps`.
+- constant: warmup, then the peak.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hyperloom.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "cosine":
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    # wsd
+    decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
+    decay_start = max(cfg.warmup_steps, cfg.steps - decay_steps)
+    if step < decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start + 1) / max(1, cfg.steps - decay_start))
+    return peak + (floor - peak) * progress
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors (norm weights) do not. Fused or foreach when possible."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # no fused kernel for this device/dtype
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)

@@ -1,0 +1,156 @@
+"""What a run shows and leaves behind: progress bar, log lines, metrics.jsonl, plot, summary.
+
+The trainer calls a `Reporter`; nothing in the loop formats text. Files written to RUN_DIR:
+
+- `metrics.jsonl`: one JSON object per line, `"event": "train"` every log interval (step,
+  loss, lr, grad_norm, tokens_per_s, mfu, memory_gb, elapsed_s) and `"event": "eval"` per
+  validation (step, val_loss);
+- `summary.json`: the final numbers of the run;
+- `loss_curve.png`: training and validation loss against step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+log = logging.getLogger("hyperloom.train")
+
+
+class Reporter:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        total_steps: int,
+        progress: bool = True,
+        console: Console | None = None,
+        append: bool = False,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._metrics = self.metrics_path.open("a" if append else "w")
+        self.console = console or Console(stderr=True)
+        self.history: list[dict[str, Any]] = []
+        if append:
+            self.history = [
+                json.loads(line) for line in self.metrics_path.read_text().splitlines() if line
+            ]
+        self._progress = None
+        if progress:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, loss="-")
+
+    def start(self, first_step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=first_step)
+            self._progress.start()
+
+    def step(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def train_metrics(self, record: dict[str, Any], total_steps: int) -> None:
+        self._write({"event": "train", **record})
+        if self._progress is not None:
+            self._progress.update(self._task, loss=f"{record['loss']:.3f}")
+        log.info(
+            "step %d/%d | loss %.4f | lr %.2e | grad %.2f | %s tok/s | MFU %.1f%% | mem %.2f GB",
+            record["step"],
+            total_steps,
+            record["loss"],
+            record["lr"],
+            record["grad_norm"],
+            f"{record['tokens_per_s']:,.0f}",
+            100 * record["mfu"],
+            record["memory_gb"],
+        )
+
+    def eval_metrics(self, step: int, val_loss: float) -> None:
+        self._write({"event": "eval", "step": step, "val_loss": val_loss})
+        log.info("step %d | validation loss %.4f", step, val_loss)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._metrics.close()
+
+    def plot(self) -> Path | None:
+        """Loss curve PNG from the metrics history."""
+        train = [(r["step"], r["loss"]) for r in self.history if r.get("event") == "train"]
+        evals = [(r["step"], r["val_loss"]) for r in self.history if r.get("event") == "eval"]
+        if not train and not evals:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train), label="train loss", color="tab:blue")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="validation loss", color="tab:orange")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(f"hyperloom: {self.run_dir.name}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        out = self.run_dir / "loss_curve.png"
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The end-of-run table printed on the terminal."""
+    table = Table(title="hyperloom run summary", show_header=False, title_style="bold")
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    for key, value in summary.items():
+        if key != "sample" and value is not None:
+            table.add_row(key.replace("_", " "), fmt(value))
+    return table

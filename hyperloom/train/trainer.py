@@ -1,0 +1,251 @@
+"""The single-process training loop.
+
+One optimizer step = `grad_accum` micro-batches of forward + backward under autocast (BF16
+compute, FP32 master weights and Adam state), global-norm clipping, the scheduled LR, AdamW.
+Losses are kept on the device and read back only at log steps, so the loop does not stall
+an accelerator on every step.
+
+Resuming restores the weights, optimizer, step, data-loader position and every RNG stream,
+so N steps + resume + M steps equals N + M uninterrupted steps bit for bit on CPU
+(tests/unit/test_train.py). `train.stop_at_step` ends a run early with a checkpoint while
+keeping the schedule planned for `train.steps`, which is how such a split run is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
+from hyperloom.config import JobConfig, dumps_toml
+from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
+from hyperloom.models.registry import family, init_model
+from hyperloom.train import checkpoint as ckpt
+from hyperloom.train.optim import build_optimizer, lr_at
+from hyperloom.train.report import Reporter, write_summary
+
+log = logging.getLogger("hyperloom.train")
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in FP32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())  # (b*s, vocab)
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    run_dir: Path
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, data: DataBundle | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.acc = get_accelerator(cfg.train.device)
+        self.dtype = DTYPES[cfg.precision.dtype]
+        torch.manual_seed(cfg.train.seed)
+        self.data = data or build_data(cfg.data, cfg.model.vocab_size)
+        self.model = init_model(cfg.model, self.acc.device, cfg.train.seed)
+        self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        t = cfg.train
+        self.loader = ResumableLoader(
+            self.data.train, t.micro_batch_size, cfg.data.seq_len, seed=t.seed
+        )
+        self.val = val_batches(self.data.val, t.micro_batch_size, cfg.data.seq_len, t.eval_batches)
+        fam = family(cfg.model.family)
+        self.n_params = fam.param_count(cfg.model)
+        self.flops_per_token = fam.training_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
+        self.step = 0
+        self.tokens_seen = 0
+        self.resumed_from: Path | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": ckpt.rng_state(self.acc.rng_state()),
+        }
+
+    def save(self, last_loss: float | None) -> Path:
+        tok_json = self.run_dir / ".tokenizer.json"
+        self.data.tokenizer.save(tok_json)
+        path = ckpt.save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model.state_dict(),
+            self.state_dict(),
+            {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()},
+            {"tokens_seen": self.tokens_seen, "loss": last_loss},
+            keep=self.cfg.checkpoint.keep,
+        )
+        tok_json.unlink()
+        return path
+
+    def maybe_resume(self) -> None:
+        choice = self.cfg.checkpoint.resume
+        if choice == "none":
+            return
+        path = (
+            ckpt.latest_checkpoint(self.run_dir)
+            if choice == "auto"
+            else ckpt.resolve_checkpoint(choice)
+        )
+        if path is None:
+            return
+        ckpt.verify_checkpoint(path)
+        self.model.load_state_dict(ckpt.load_model_state(path))
+        state = ckpt.load_train_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        self.acc.set_rng_state(ckpt.restore_rng(state["rng"]))
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss, grad norm) as device tensors."""
+        t = self.cfg.train
+        self.model.train()
+        total = torch.zeros((), device=self.acc.device)
+        for _ in range(t.grad_accum):
+            inputs, labels = self.loader.next_batch()
+            inputs, labels = inputs.to(self.acc.device), labels.to(self.acc.device)
+            with self.acc.autocast(self.dtype):
+                logits = self.fwd(inputs)  # (b, s, vocab)
+            loss = causal_lm_loss(logits, labels) / t.grad_accum
+            loss.backward()
+            total += loss.detach()
+        clip = t.grad_clip if t.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        lr = lr_at(self.step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = []
+        for inputs, labels in self.val:
+            with self.acc.autocast(self.dtype):
+                logits = self.fwd(inputs.to(self.acc.device))
+            losses.append(causal_lm_loss(logits, labels.to(self.acc.device)))
+        return torch.stack(losses).mean().item()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> RunResult:
+        cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
+        self.maybe_resume()
+        end_step = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
+        peak = lg.peak_tflops or measure_matmul_tflops(self.acc.kind, cfg.precision.dtype)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
+        reporter = Reporter(
+            self.run_dir, t.steps, progress=lg.progress, append=self.resumed_from is not None
+        )
+        log.info(
+            "model %s (%s parameters, %.3g GFLOP/token) on %s, %s; %s tokens/step",
+            cfg.model.preset,
+            f"{self.n_params:,}",
+            self.flops_per_token / 1e9,
+            self.acc.describe(),
+            cfg.precision.dtype,
+            f"{self.tokens_per_step:,}",
+        )
+        first_step = self.step
+        initial_val = self.evaluate() if first_step == 0 else None
+        if initial_val is not None:
+            reporter.eval_metrics(0, initial_val)
+        self.acc.reset_peak_memory()
+        wall_start = time.perf_counter()
+        window_start, window_tokens, window_losses = time.perf_counter(), 0, []
+        last_loss = val_loss = None
+        train_time = 0.0
+        reporter.start(first_step)
+        try:
+            while self.step < end_step:
+                loss, grad_norm = self.train_step()
+                window_losses.append(loss)
+                window_tokens += self.tokens_per_step
+                reporter.step(self.step)
+                if self.step % lg.log_every == 0 or self.step == end_step:
+                    self.acc.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    train_time += elapsed
+                    last_loss = torch.stack(window_losses).mean().item()
+                    tps = window_tokens / elapsed
+                    reporter.train_metrics(
+                        {
+                            "step": self.step,
+                            "loss": last_loss,
+                            "lr": lr_at(self.step - 1, t),
+                            "grad_norm": grad_norm.item(),
+                            "tokens_per_s": tps,
+                            "mfu": tps * self.flops_per_token / (peak * 1e12),
+                            "memory_gb": self.acc.peak_memory_bytes() / 1e9,
+                            "elapsed_s": time.perf_counter() - wall_start,
+                        },
+                        t.steps,
+                    )
+                    window_start, window_tokens, window_losses = time.perf_counter(), 0, []
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:
+                    val_loss = self.evaluate()
+                    reporter.eval_metrics(self.step, val_loss)
+                    window_start = time.perf_counter()  # validation is not training time
+                if (
+                    cfg.checkpoint.every
+                    and self.step % cfg.checkpoint.every == 0
+                    and self.step < end_step
+                ):
+                    self.save(last_loss)
+                    window_start = time.perf_counter()
+            val_loss = self.evaluate()
+            reporter.eval_metrics(self.step, val_loss)
+        finally:
+            reporter.close()
+        ckpt_path = self.save(last_loss) if self.step > first_step else self.resumed_from
+        trained_tokens = (self.step - first_step) * self.tokens_per_step
+        tps = trained_tokens / train_time if train_time > 0 else None
+        summary = {
+            "model": cfg.model.preset,
+            "parameters": self.n_params,
+            "device": self.acc.describe(),
+            "dtype": cfg.precision.dtype,
+            "steps": self.step,
+            "steps_this_run": self.step - first_step,
+            "tokens_seen": self.tokens_seen,
+            "initial_val_loss": initial_val,
+            "final_train_loss": last_loss,
+            "final_val_loss": val_loss,
+            "tokens_per_s": tps,
+            "mfu": tps * self.flops_per_token / (peak * 1e12) if tps else None,
+            "peak_tflops": peak,
+            "peak_memory_gb": self.acc.peak_memory_bytes() / 1e9,
+            "wall_time_s": time.perf_counter() - wall_start,
+            "checkpoint": str(ckpt_path) if ckpt_path else None,
+        }
+        write_summary(self.run_dir, summary)
+        if lg.plot:
+            reporter.plot()
+        return RunResult(summary, self.run_dir)

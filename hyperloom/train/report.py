@@ -116,9 +116,9 @@ class Reporter:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:
-            ax.plot(*zip(*train), label="train loss", color="tab:blue")
+            ax.plot(*zip(*train, strict=True), label="train loss", color="tab:blue")
         if evals:
-            ax.plot(*zip(*evals), "o-", label="validation loss", color="tab:orange")
+            ax.plot(*zip(*evals, strict=True), "o-", label="validation loss", color="tab:orange")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
         ax.set_title(f"hyperloom: {self.run_dir.name}")

@@ -5,6 +5,8 @@
 #                    for your accelerator, e.g. HYPERLOOM_TORCH="torch>=2.6").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip warns once per missing local mirror folder; those lines say nothing about this project.
+quiet_pip() { pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating virtual environment .venv"
@@ -14,8 +16,8 @@ fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${HYPERLOOM_TORCH:-torch==2.13.0}"
-  pip install --quiet "${HYPERLOOM_TORCH:-torch==2.13.0}"
+  quiet_pip "${HYPERLOOM_TORCH:-torch==2.13.0}"
 fi
 echo "[setup] installing hyperloom and its test / Hugging Face extras"
-pip install --quiet -e ".[test,hf]"
+quiet_pip -e ".[test,hf]"
 python -c "import hyperloom, torch; print(f'[setup] hyperloom {hyperloom.__version__}, torch {torch.__version__}')"

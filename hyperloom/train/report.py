@@ -31,6 +31,17 @@ from rich.table import Table
 log = logging.getLogger("hyperloom.train")
 
 
+def _logging_console() -> Console:
+    """The console the log lines go to, so the progress bar and log lines share one screen
+    region instead of overwriting each other."""
+    from rich.logging import RichHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, RichHandler):
+            return handler.console
+    return Console(stderr=True)
+
+
 class Reporter:
     def __init__(
         self,
@@ -44,7 +55,7 @@ class Reporter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a" if append else "w")
-        self.console = console or Console(stderr=True)
+        self.console = console or _logging_console()
         self.history: list[dict[str, Any]] = []
         if append:
             self.history = [

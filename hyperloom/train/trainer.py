@@ -158,7 +158,16 @@ class Trainer:
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
         self.maybe_resume()
         end_step = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
-        peak = lg.peak_tflops or measure_matmul_tflops(self.acc.kind, cfg.precision.dtype)
+        if self.step >= end_step:
+            log.warning(
+                "the checkpoint in %s is at step %d, which already reaches the planned %d steps; "
+                "nothing to train (raise train.steps or use a new --run-dir)",
+                self.run_dir,
+                self.step,
+                end_step,
+            )
+        # MFU is quoted against the BF16 matmul peak whatever the training dtype, as is usual.
+        peak = lg.peak_tflops or measure_matmul_tflops(self.acc.kind, "bf16")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
         reporter = Reporter(

@@ -1,0 +1,97 @@
+"""Shared fixtures: one data cache per test session and the tiny job every training test uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# A model small enough that 40 CPU steps take well under a second in fp32.
+TINY_MODEL = {
+    "model.dim": 64,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.ffn_dim": 128,
+    "model.vocab_size": 512,
+    "model.max_seq_len": 64,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hyperloom_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Point HYPERLOOM_CACHE at a session temp dir: the tokenizer is trained once per session.
+
+    Set in os.environ so that `python -m hyperloom` subprocesses share the same cache.
+
+    Torch runs single-threaded here (and in the subprocesses, through OMP_NUM_THREADS): the
+    models are tiny, and on a small shared machine a second OpenMP thread waiting for a busy
+    core made each matmul ~200x slower (0.2 ms -> 47 ms measured on two cores).
+    """
+    cache = tmp_path_factory.mktemp("hyperloom-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HYPERLOOM_CACHE", str(cache))
+    mp.setenv("OMP_NUM_THREADS", "1")
+    mp.delenv("WORLD_SIZE", raising=False)  # validation compares the parallel layout to it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield cache
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+def tiny_job(run_dir: str | os.PathLike, **overrides: object) -> list[str]:
+    """`--section.key value` overrides for a tiny fp32 CPU job in `run_dir`.
+
+    Keyword names use `__` for the dot: `train__steps=12` is `--train.steps 12`.
+    """
+    values: dict[str, object] = {
+        **TINY_MODEL,
+        "data.seq_len": 64,
+        "data.max_corpus_mb": 0.5,
+        "data.val_fraction": 0.2,
+        "train.micro_batch_size": 4,
+        "train.steps": 40,
+        "train.lr": 3e-3,
+        "train.warmup_steps": 5,
+        "train.eval_every": 0,
+        "train.eval_batches": 4,
+        "train.device": "cpu",
+        "precision.dtype": "fp32",
+        "logging.run_dir": str(run_dir),
+        "logging.progress": "false",
+        "logging.plot": "false",
+        "logging.sample_tokens": 0,
+        "logging.peak_tflops": 1,
+        "logging.log_every": 1,
+    }
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    out: list[str] = []
+    for key, value in values.items():
+        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def run_cli(*args: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """`python -m hyperloom ARGS` in a subprocess (inherits HYPERLOOM_CACHE)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hyperloom", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_job_args():
+    return tiny_job
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return run_cli

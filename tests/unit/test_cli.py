@@ -1,0 +1,99 @@
+"""End-to-end tests of the `hyperloom` command line, each in a subprocess (`python -m hyperloom`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hyperloom.config import JobConfig, to_dict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def test_model_info_json(cli):
+    result = cli("model", "info", "llama3-8b", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["parameters"] == 8_030_261_248
+    assert info["flops_per_token"] == 57_912_852_480 and info["seq_len"] == 8192
+    assert (info["dim"], info["n_layers"], info["vocab_size"]) == (4096, 32, 128256)
+
+
+def test_model_info_table_lists_every_preset(cli):
+    result = cli("model", "info")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"tiny", "llama3-8b", "llama3-70b", "llama3-405b"}
+    assert "8,030,261,248" in rows["llama3-8b"]
+    assert "70,553,706,496" in rows["llama3-70b"]
+    assert "405,853,388,800" in rows["llama3-405b"]
+
+
+def test_model_info_unknown_preset_and_stray_override(cli):
+    result = cli("model", "info", "gpt5")
+    assert result.returncode == 2
+    assert "hyperloom model: error: invalid configuration" in result.stderr
+    assert "unknown preset 'gpt5'; known presets: tiny, llama3-8b" in result.stderr
+    assert "Traceback" not in result.stderr
+    stray = cli("model", "info", "--train.steps", "3")  # overrides belong to train/config
+    assert stray.returncode == 2
+    assert "unrecognized arguments: --train.steps 3" in stray.stderr
+
+
+def test_config_show_prints_the_defaults_as_toml(cli):
+    result = cli("config", "show")
+    assert result.returncode == 0, result.stderr
+    assert tomllib.loads(result.stdout) == to_dict(JobConfig())
+    assert "# optimizer steps to run" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_job_args, cli):
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    args = tiny_job_args(run_dir, train__steps=12, logging__sample_tokens=8)
+    args = args[: args.index("--logging.run_dir")] + args[args.index("--logging.run_dir") + 2 :]
+    result = cli("train", "--run-dir", str(run_dir), *args)
+    return run_dir, result
+
+
+def test_train_prints_summary_and_sample(trained_run):
+    run_dir, result = trained_run
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "hyperloom run summary" in out
+    for row in ("final val loss", "tokens per s", "parameters", "139,584"):
+        assert row in out, row
+    assert "sample" in out
+    sample = json.loads((run_dir / "summary.json").read_text())["sample"]
+    assert sample.startswith("def ") and len(sample) > len("def ")
+    assert sample.splitlines()[0] in out
+    assert f"run directory: {run_dir}" in out
+    assert (run_dir / "checkpoints" / "step_00000012" / "model.safetensors").is_file()
+
+
+def test_generate_from_run_dir(trained_run, cli):
+    run_dir, _ = trained_run
+    common = ["--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8"]
+    result = cli("generate", *common, "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def ")
+    assert len(result.stdout.rstrip("\n")) > len("def ")
+    assert "prompt tokens" in result.stderr and "KV cache" in result.stderr
+    # Greedy decoding does not depend on the KV cache.
+    uncached = cli("generate", *common, "--temperature", "0", "--no-cache")
+    assert uncached.returncode == 0, uncached.stderr
+    assert uncached.stdout == result.stdout
+
+
+def test_generate_without_checkpoint_is_a_clear_error(tmp_path, cli):
+    result = cli("generate", "--checkpoint", str(tmp_path), "--prompt", "def ")
+    assert result.returncode == 2
+    assert result.stderr.startswith("hyperloom generate: error: ")
+    assert f"'{tmp_path}' is neither a checkpoint directory" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""

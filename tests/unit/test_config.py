@@ -1,0 +1,419 @@
+"""Tests for hyperloom.config: malformed jobs fail with one clear message, good ones load.
+
+Every malformed case is checked through `load_config` (a `ConfigError` whose text names the
+problem) and a selection of them through `python -m hyperloom config show` (exit status 2,
+the message on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hyperloom.config import (
+    ConfigError,
+    JobConfig,
+    config_from_dict,
+    dumps_toml,
+    load_config,
+    parse_overrides,
+    to_dict,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# --------------------------------------------------------------------------- malformed jobs
+
+# name -> (TOML file text or None, overrides, expected message (a literal substring)).
+BAD: dict[str, tuple[str | None, list[str], str]] = {
+    "unknown_key": (
+        None,
+        ["--train.stpes", "10"],
+        "unknown key 'train.stpes' (did you mean 'train.steps'?); [train] accepts: steps,",
+    ),
+    "unknown_key_toml": (
+        "[model]\ndimm = 64\n",
+        [],
+        "unknown key 'model.dimm' (did you mean 'model.dim'?)",
+    ),
+    "unknown_section": (
+        "[trian]\nsteps = 10\n",
+        [],
+        "unknown section '[trian]' (did you mean 'train'?); sections are: model, parallel,",
+    ),
+    "section_not_a_table": ("train = 3\n", [], "'train' must be a table ([train]), got 3"),
+    "toml_string_for_int": (
+        '[train]\nsteps = "ten"\n',
+        [],
+        "train.steps: expected an integer, got 'ten'",
+    ),
+    "toml_string_for_bool": (
+        '[logging]\nplot = "true"\n',
+        [],
+        "logging.plot: expected true or false, got 'true'",
+    ),
+    "toml_float_for_int": ("[model]\ndim = 64.0\n", [], "model.dim: expected an integer, got 64.0"),
+    "toml_string_for_list": (
+        '[data]\nsource = "text"\npaths = "a.txt"\n',
+        [],
+        "data.paths: expected a list, got str 'a.txt'",
+    ),
+    "toml_list_item_type": (
+        '[data]\nsource = "text"\npaths = ["a.txt", 3]\n',
+        [],
+        "data.paths[1]: expected a string, got 3",
+    ),
+    "cli_not_a_number": (None, ["--train.lr", "abc"], "train.lr: expected a number, got 'abc'"),
+    "cli_not_an_int": (
+        None,
+        ["--train.steps", "1.5"],
+        "train.steps: expected an integer, got '1.5'",
+    ),
+    "cli_bad_bool": (
+        None,
+        ["--logging.plot", "maybe"],
+        "logging.plot: expected true or false, got 'maybe'",
+    ),
+    "not_a_choice": (
+        None,
+        ["--precision.dtype", "fp7"],
+        "precision.dtype = 'fp7' is not one of: 'bf16', 'fp32'",
+    ),
+    "schedule_not_a_choice": (
+        None,
+        ["--train.schedule", "linear"],
+        "train.schedule = 'linear' is not one of: 'cosine', 'wsd', 'constant'",
+    ),
+    "heads_do_not_divide_dim": (
+        None,
+        ["--model.dim", "100", "--model.n_heads", "3", "--model.n_kv_heads", "1"],
+        "model.dim (100) is not divisible by model.n_heads (3): 100 / 3 = 33.33",
+    ),
+    "kv_heads_do_not_divide_heads": (
+        None,
+        ["--model.dim", "384", "--model.n_heads", "6", "--model.n_kv_heads", "4"],
+        "model.n_heads (6) is not divisible by model.n_kv_heads (4): 6 / 4 = 1.5",
+    ),
+    "odd_head_dim": (
+        None,
+        ["--model.dim", "60", "--model.n_heads", "4", "--model.n_kv_heads", "2"],
+        "head dim model.dim / model.n_heads = 60 / 4 = 15 is odd; RoPE rotates pairs",
+    ),
+    "seq_len_exceeds_max_seq_len": (
+        None,
+        ["--data.seq_len", "4096"],
+        "data.seq_len (4096) exceeds model.max_seq_len (2048)",
+    ),
+    "zero_steps": (None, ["--train.steps", "0"], "train.steps must be positive, got 0"),
+    "negative_lr": (None, ["--train.lr", "-1e-3"], "train.lr must be positive, got -0.001"),
+    "negative_warmup": (
+        None,
+        ["--train.warmup_steps", "-1"],
+        "train.warmup_steps must be >= 0, got -1",
+    ),
+    "zero_dim": (None, ["--model.dim", "0"], "model.dim must be positive, got 0"),
+    "val_fraction_out_of_range": (
+        None,
+        ["--data.val_fraction", "1"],
+        "data.val_fraction must lie strictly between 0 and 1, got 1.0",
+    ),
+    "beta_out_of_range": (None, ["--train.beta2", "1"], "train.beta2 must lie in [0, 1), got 1.0"),
+    "rope_scaling_below_one": (
+        None,
+        ["--model.rope_scaling", "0.5"],
+        "model.rope_scaling must be >= 1 (1 = no scaling), got 0.5",
+    ),
+    "parallel_product_not_world": (
+        None,
+        ["--parallel.dp", "2"],
+        "dp(2) * tp(1) * pp(1) * cp(1) = 2 != world size 1",
+    ),
+    "parallel_degree_zero": (None, ["--parallel.tp", "0"], "parallel.tp must be >= 1, got 0"),
+    "unknown_preset": (
+        None,
+        ["--model.preset", "llama9"],
+        "model.preset: unknown preset 'llama9'; known presets: tiny, llama3-8b, llama3-70b, "
+        "llama3-405b",
+    ),
+    "text_source_without_paths": (
+        None,
+        ["--data.source", "text"],
+        "data.source = 'text' needs data.paths (files or directories)",
+    ),
+    "stdlib_source_with_paths": (
+        None,
+        ["--data.paths", "a.txt"],
+        "data.paths is only used with data.source = 'text' or 'jsonl'",
+    ),
+    "invalid_toml": ("[train\nsteps = 10\n", [], "is not valid TOML"),
+    "override_without_value": (None, ["--train.steps"], "override --train.steps has no value"),
+    "override_followed_by_override": (
+        None,
+        ["--train.steps", "--train.lr", "1e-3"],
+        "override --train.steps has no value",
+    ),
+    "override_without_section": (
+        None,
+        ["--steps", "10"],
+        "override --steps: expected --section.key (e.g. --train.steps 200); sections are model,",
+    ),
+    "positional_argument": (
+        None,
+        ["steps=10"],
+        "unexpected argument 'steps=10': overrides look like --section.key value",
+    ),
+    "bad_list_syntax": (
+        None,
+        ["--data.source", "text", "--data.paths", "[a"],
+        "data.paths: cannot read '[a' as a list",
+    ),
+}
+
+
+def _materialise(tmp_path: Path, toml_text: str | None) -> Path | None:
+    if toml_text is None:
+        return None
+    path = tmp_path / "job.toml"
+    path.write_text(toml_text)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_malformed_config_raises_config_error(case, tmp_path):
+    toml_text, overrides, message = BAD[case]
+    path = _materialise(tmp_path, toml_text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_config(path, overrides)
+    # The message is the readable list of problems, each one named once.
+    assert str(info.value).startswith("invalid configuration:\n  - ")
+    assert len(info.value.problems) >= 1
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{missing}' does not exist")):
+        load_config(missing, [])
+
+
+def test_ep_must_divide_dp_times_cp():
+    raw = {"parallel": {"dp": 4, "cp": 2, "ep": 3}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw, world_size=8)
+    assert info.value.problems == [
+        "parallel.ep (3) must divide dp(4) * cp(2) = 8 (experts fold over data x context parallel)"
+    ]
+    # The same layout with ep = 4 is valid on 8 ranks.
+    cfg = config_from_dict({"parallel": {"dp": 4, "cp": 2, "ep": 4}}, world_size=8)
+    assert (cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep) == (4, 2, 4)
+
+
+def test_world_size_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=re.escape("dp(1) * tp(1) * pp(1) * cp(1) = 1 != world")):
+        load_config(None, [])
+    cfg = load_config(None, ["--parallel.dp", "2", "--parallel.tp", "2"])
+    assert (cfg.parallel.dp, cfg.parallel.tp) == (2, 2)
+
+
+def test_several_problems_reported_together(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[train]\nstpes = 10\n[model]\ndim = "wide"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["--precision.dtype", "fp7", "--logging.plot", "maybe"])
+    problems = info.value.problems
+    assert len(problems) == 4
+    for expected in (
+        "unknown key 'train.stpes'",
+        "model.dim: expected an integer, got 'wide'",
+        "precision.dtype = 'fp7' is not one of",
+        "logging.plot: expected true or false, got 'maybe'",
+    ):
+        assert sum(expected in p for p in problems) == 1, (expected, problems)
+
+
+def test_several_validation_problems_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            None,
+            [
+                "--model.dim", "100", "--model.n_heads", "3", "--model.n_kv_heads", "2",
+                "--train.steps", "0", "--data.val_fraction", "2", "--parallel.dp", "3",
+            ],
+        )  # fmt: skip
+    problems = info.value.problems
+    assert problems == [
+        "model.dim (100) is not divisible by model.n_heads (3): 100 / 3 = 33.33",
+        "model.n_heads (3) is not divisible by model.n_kv_heads (2): 3 / 2 = 1.5",
+        "train.steps must be positive, got 0",
+        "data.val_fraction must lie strictly between 0 and 1, got 2.0",
+        "dp(3) * tp(1) * pp(1) * cp(1) = 3 != world size 1",
+    ]
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+CLI_CASES = [
+    "unknown_key",
+    "toml_string_for_int",
+    "cli_not_a_number",
+    "heads_do_not_divide_dim",
+    "parallel_product_not_world",
+    "invalid_toml",
+    "override_without_value",
+]
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Run the CLI cases two at a time (each pays ~1.5 s of interpreter + torch start-up)."""
+    tmp = tmp_path_factory.mktemp("cli-config")
+    commands = {}
+    for case in [*CLI_CASES, "missing_file"]:
+        if case == "missing_file":
+            args = [str(tmp / "missing.toml")]
+        else:
+            toml_text, overrides, _ = BAD[case]
+            args = []
+            if toml_text is not None:
+                path = tmp / f"{case}.toml"
+                path.write_text(toml_text)
+                args.append(str(path))
+            args += overrides
+        commands[case] = [sys.executable, "-m", "hyperloom", "config", "show", *args]
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the test machine has two cores
+        results = pool.map(run, commands.values())
+        return dict(zip(commands, results, strict=True))
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_reports_config_error_without_traceback(case, cli_results):
+    result = cli_results[case]
+    message = BAD[case][2]
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("hyperloom config: error: invalid configuration:\n  - ")
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_missing_config_file(cli_results, tmp_path_factory):
+    result = cli_results["missing_file"]
+    assert result.returncode == 2
+    assert "missing.toml' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- well-formed jobs
+
+
+def test_defaults_are_the_default_job():
+    cfg = load_config(None, [])
+    assert cfg == JobConfig()
+    assert cfg.model.preset == "tiny" and cfg.model.dim == 384 and cfg.train.steps == 300
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 1  # type: ignore[misc]
+
+
+def test_preset_fills_the_model_section():
+    cfg = load_config(None, ["--model.preset", "llama3-8b"])
+    m = cfg.model
+    assert (m.preset, m.dim, m.n_layers, m.n_heads, m.n_kv_heads) == ("llama3-8b", 4096, 32, 32, 8)
+    assert (m.ffn_dim, m.vocab_size, m.max_seq_len) == (14336, 128256, 131072)
+    assert (m.rope_theta, m.rope_scaling, m.rope_original_max_seq) == (500000.0, 8.0, 8192)
+    assert m.tie_embeddings is False
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--model.preset", "llama3-8b", "--model.n_layers", "2"],
+        ["--model.n_layers", "2", "--model.preset", "llama3-8b"],  # order does not matter
+        ["--model.preset=llama3-8b", "--model.n_layers=2"],
+    ],
+)
+def test_key_set_alongside_preset_overrides_it(overrides):
+    m = load_config(None, overrides).model
+    assert (m.preset, m.n_layers, m.dim, m.n_heads) == ("llama3-8b", 2, 4096, 32)
+
+
+def test_preset_in_toml_file_with_cli_override(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\npreset = "llama3-70b"\nn_layers = 4\n[train]\nsteps = 7\n')
+    cfg = load_config(path, ["--model.n_layers", "3", "--train.lr", "1e-4"])
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (8192, 3, 64)
+    assert (cfg.train.steps, cfg.train.lr) == (7, 1e-4)
+
+
+def test_dumps_toml_round_trips(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "--model.preset", "llama3-8b", "--model.n_layers", "2", "--model.tie_embeddings", "yes",
+            "--train.lr", "1.5e-4", "--train.schedule", "wsd", "--train.compile", "on",
+            "--data.source", "text", "--data.paths", "a.txt,dir/b", "--data.val_fraction", "0.05",
+            "--logging.plot", "off", "--logging.sample_prompt", 'say "hi"\n',
+        ],
+    )  # fmt: skip
+    text = dumps_toml(cfg)
+    assert tomllib.loads(text) == to_dict(cfg)
+    path = tmp_path / "resolved.toml"
+    path.write_text(text)
+    again = load_config(path, [])
+    assert again == cfg
+    assert again.data.paths == ["a.txt", "dir/b"]
+    assert again.logging.sample_prompt == 'say "hi"\n'
+    assert again.model.tie_embeddings is True and again.logging.plot is False
+    # Every key is followed by its doc as a comment.
+    assert re.search(r"^steps = 300\s+# optimizer steps to run$", dumps_toml(JobConfig()), re.M)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("true", True), ("1", True), ("yes", True), ("ON", True),
+        ("false", False), ("0", False), ("no", False), ("Off", False),
+    ],
+)  # fmt: skip
+def test_cli_bool_parsing(text, expected):
+    assert load_config(None, ["--logging.plot", text]).logging.plot is expected
+
+
+def test_list_overrides_and_toml_arrays(tmp_path):
+    base = ["--data.source", "text"]
+    assert load_config(None, [*base, "--data.paths", "a,b"]).data.paths == ["a", "b"]
+    assert load_config(None, [*base, "--data.paths=one"]).data.paths == ["one"]
+    toml_array = ["--data.paths", '["x y", "z,w"]']
+    assert load_config(None, [*base, *toml_array]).data.paths == ["x y", "z,w"]
+    path = tmp_path / "job.toml"
+    path.write_text('[data]\nsource = "jsonl"\npaths = ["p.jsonl", "q"]\n')
+    assert load_config(path, []).data.paths == ["p.jsonl", "q"]
+    # A later override replaces the file's list (it does not append).
+    assert load_config(path, ["--data.paths", "r"]).data.paths == ["r"]
+
+
+def test_value_conversions():
+    cfg = load_config(None, ["--train.steps", "1_000", "--train.lr", "2e-4", "--model.dim=192"])
+    assert cfg.train.steps == 1000 and type(cfg.train.steps) is int
+    assert cfg.train.lr == 2e-4 and cfg.model.dim == 192
+    # A TOML integer is accepted where a float is expected and becomes a float.
+    cfg = config_from_dict({"train": {"lr": 1}})
+    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
+
+
+def test_parse_overrides_keeps_strings_and_dashes():
+    raw = parse_overrides(["--train.grad-clip", "0.5", "--model.dim=128"])
+    assert raw == {"train": {"grad_clip": "0.5"}, "model": {"dim": "128"}}
+    assert load_config(None, ["--train.grad-clip", "0.5"]).train.grad_clip == 0.5

@@ -118,7 +118,12 @@ def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedM
     cfg = config_from_dict(raw, world_size=world)
     acc = get_accelerator(device)
     model = build_model(cfg.model).materialize(acc.device, seed=0)
-    model.load_state_dict(ckpt.load_model_state(ckpt_dir))
+    try:
+        model.load_state_dict(ckpt.load_model_state(ckpt_dir))
+    except RuntimeError as exc:
+        raise ckpt.CheckpointError(
+            f"{ckpt_dir}/model.safetensors does not match its config.toml: {exc}"
+        ) from None
     tok = Tokenizer.load(ckpt_dir / "tokenizer.json", eos_token=cfg.data.eos_token)
     return LoadedModel(model, tok, cfg, ckpt_dir, acc)
 

@@ -107,9 +107,15 @@ class Trainer:
         if path is None:
             return
         ckpt.verify_checkpoint(path)
-        self.model.load_state_dict(ckpt.load_model_state(path))
         state = ckpt.load_train_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.model.load_state_dict(ckpt.load_model_state(path))
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} does not fit this job's model/optimizer "
+                f"(was it written with another [model] section?): {exc}"
+            ) from None
         self.loader.load_state_dict(state["loader"])
         self.acc.set_rng_state(ckpt.restore_rng(state["rng"]))
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]

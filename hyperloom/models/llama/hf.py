@@ -33,28 +33,27 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_TO_OURS = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TOP_TO_OURS = {v: k for k, v in _TOP_NAMES.items()}
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _rename(name: str, top: dict, layer_re: re.Pattern, layer: dict, prefix: str, what: str) -> str:
+    if name in top:
+        return top[name]
+    m = layer_re.match(name)
+    if m and m.group(2) in layer:
+        return f"{prefix}{m.group(1)}.{layer[m.group(2)]}"
+    raise KeyError(f"no {what} name for parameter '{name}'")
 
 
 def to_hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise KeyError(f"no Hugging Face name for hyperloom parameter '{name}'")
+    return _rename(name, _TOP_NAMES, _OURS_LAYER, _LAYER_NAMES, "model.layers.", "Hugging Face")
 
 
 def from_hf_name(name: str) -> str:
-    if name in _HF_TOP_TO_OURS:
-        return _HF_TOP_TO_OURS[name]
-    m = _HF_LAYER_RE.match(name)
-    if m and m.group(2) in _HF_TO_OURS:
-        return f"layers.{m.group(1)}.{_HF_TO_OURS[m.group(2)]}"
-    raise KeyError(f"no hyperloom name for Hugging Face parameter '{name}'")
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    return _rename(name, top, _HF_LAYER, layer, "layers.", "hyperloom")
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

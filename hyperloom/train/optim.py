@@ -29,7 +29,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.schedule == "constant":
         return peak
     if cfg.schedule == "cosine":
-        span = max(1, cfg.steps - cfg.warmup_steps - 1)  # the last step (steps - 1) sits at the floor
+        span = max(
+            1, cfg.steps - cfg.warmup_steps - 1
+        )  # the last step (steps - 1) sits at the floor
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     # wsd

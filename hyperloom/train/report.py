@@ -57,6 +57,7 @@ class Reporter:
         self._metrics = self.metrics_path.open("a" if append else "w")
         self.console = console or _logging_console()
         self.history: list[dict[str, Any]] = []
+        self._warned_mfu = False
         if append:
             self.history = [
                 json.loads(line) for line in self.metrics_path.read_text().splitlines() if line
@@ -89,8 +90,15 @@ class Reporter:
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
-    def train_metrics(self, record: dict[str, Any], total_steps: int) -> None:
+    def train_metrics(self, record: dict[str, Any], total_steps: int, peak_tflops: float) -> None:
         self._write({"event": "train", **record})
+        if record["mfu"] > 1.0 and not self._warned_mfu:
+            self._warned_mfu = True
+            log.warning(
+                "MFU above 100%%: the measured peak (%.3g TFLOP/s) was too low, probably "
+                "because the machine was busy; set logging.peak_tflops",
+                peak_tflops,
+            )
         if self._progress is not None:
             self._progress.update(self._task, loss=f"{record['loss']:.3f}")
         log.info(

@@ -160,6 +160,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _mfu(self, tokens_per_s: float, peak_tflops: float) -> float:
+        return tokens_per_s * self.flops_per_token / (peak_tflops * 1e12)
+
     def run(self) -> RunResult:
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
         self.maybe_resume()
@@ -194,47 +197,38 @@ class Trainer:
             reporter.eval_metrics(0, initial_val)
         self.acc.reset_peak_memory()
         wall_start = time.perf_counter()
-        window_start, window_tokens, window_losses = time.perf_counter(), 0, []
+        window = _Window()
         last_loss = val_loss = None
         train_time = 0.0
         reporter.start(first_step)
         try:
             while self.step < end_step:
                 loss, grad_norm = self.train_step()
-                window_losses.append(loss)
-                window_tokens += self.tokens_per_step
+                window.add(loss, self.tokens_per_step)
                 reporter.step(self.step)
                 if self.step % lg.log_every == 0 or self.step == end_step:
                     self.acc.synchronize()
-                    elapsed = time.perf_counter() - window_start
+                    elapsed, last_loss, tps = window.take()
                     train_time += elapsed
-                    last_loss = torch.stack(window_losses).mean().item()
-                    tps = window_tokens / elapsed
-                    reporter.train_metrics(
-                        {
-                            "step": self.step,
-                            "loss": last_loss,
-                            "lr": lr_at(self.step - 1, t),
-                            "grad_norm": grad_norm.item(),
-                            "tokens_per_s": tps,
-                            "mfu": tps * self.flops_per_token / (peak * 1e12),
-                            "memory_gb": self.acc.peak_memory_bytes() / 1e9,
-                            "elapsed_s": time.perf_counter() - wall_start,
-                        },
-                        t.steps,
-                    )
-                    window_start, window_tokens, window_losses = time.perf_counter(), 0, []
+                    record = {
+                        "step": self.step,
+                        "loss": last_loss,
+                        "lr": lr_at(self.step - 1, t),
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": tps,
+                        "mfu": self._mfu(tps, peak),
+                        "memory_gb": self.acc.peak_memory_bytes() / 1e9,
+                        "elapsed_s": time.perf_counter() - wall_start,
+                    }
+                    reporter.train_metrics(record, t.steps, peak)
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:
                     val_loss = self.evaluate()
                     reporter.eval_metrics(self.step, val_loss)
-                    window_start = time.perf_counter()  # validation is not training time
-                if (
-                    cfg.checkpoint.every
-                    and self.step % cfg.checkpoint.every == 0
-                    and self.step < end_step
-                ):
+                    window.restart()  # validation is not training time
+                every = cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < end_step:
                     self.save(last_loss)
-                    window_start = time.perf_counter()
+                    window.restart()
             val_loss = self.evaluate()
             reporter.eval_metrics(self.step, val_loss)
         finally:
@@ -254,7 +248,7 @@ class Trainer:
             "final_train_loss": last_loss,
             "final_val_loss": val_loss,
             "tokens_per_s": tps,
-            "mfu": tps * self.flops_per_token / (peak * 1e12) if tps else None,
+            "mfu": self._mfu(tps, peak) if tps else None,
             "peak_tflops": peak,
             "peak_memory_gb": self.acc.peak_memory_bytes() / 1e9,
             "wall_time_s": time.perf_counter() - wall_start,
@@ -264,3 +258,28 @@ class Trainer:
         if lg.plot:
             reporter.plot()
         return RunResult(summary, self.run_dir)
+
+
+class _Window:
+    """Losses (device tensors) and tokens since the last log line, and the time they took."""
+
+    def __init__(self) -> None:
+        self.restart()
+        self.losses: list[torch.Tensor] = []
+        self.tokens = 0
+
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+
+    def take(self) -> tuple[float, float, float]:
+        """(seconds, mean loss, tokens/s) of the window; starts a new one."""
+        elapsed = time.perf_counter() - self.start
+        mean_loss = torch.stack(self.losses).mean().item()  # the one host sync per log step
+        tps = self.tokens / elapsed
+        self.losses, self.tokens = [], 0
+        self.restart()
+        return elapsed, mean_loss, tps

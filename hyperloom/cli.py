@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from rich.console import Console
@@ -30,9 +31,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (*USER_ERRORS, DataError, CheckpointError)
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _setup_logging(verbose: bool) -> None:
+    # Under torchrun only rank 0 narrates; the others speak up for warnings and errors.
+    level = logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=level if _rank() == 0 else logging.WARNING,
         format="%(message)s",
         datefmt="[%X]",
         handlers=[RichHandler(console=_console(stderr=True), show_path=False, markup=False)],
@@ -51,7 +58,34 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
 # ------------------------------------------------------------------------- commands
 
 
+def _launch_torchrun(args: argparse.Namespace) -> int:
+    """`hyperloom train --nproc N ...` = torchrun on this machine with N processes.
+
+    The config is validated here first, against world size N, so a bad layout is reported
+    once instead of by N processes.
+    """
+    import subprocess
+
+    config, overrides = _split_config_args(args)
+    load_config(config, overrides, world_size=args.nproc)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "hyperloom",
+        "train",
+    ]
+    cmd += ([config] if config else []) + overrides
+    logging.getLogger("hyperloom").info("launching: %s", " ".join(cmd[2:]))
+    return subprocess.call(cmd)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        return _launch_torchrun(args)
     from hyperloom.inference import LoadedModel, complete
     from hyperloom.train.report import summary_table, write_summary
     from hyperloom.train.trainer import Trainer
@@ -60,9 +94,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = _console()
     trainer = Trainer(cfg)
     result = trainer.run()
+    if not trainer.mesh.is_main:
+        return 0
     summary = result.summary
     lg = cfg.logging
-    if lg.sample_prompt and lg.sample_tokens > 0:
+    if lg.sample_prompt and lg.sample_tokens > 0 and trainer.mesh.world_size == 1:
         loaded = LoadedModel(
             trainer.model, trainer.data.tokenizer, cfg, result.run_dir, trainer.acc
         )
@@ -188,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (default: tiny Llama on the Python stdlib)")
     _add_config_args(p)
+    p.add_argument(
+        "--nproc", type=int, default=1, help="start N processes on this machine via torchrun"
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
@@ -252,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         parse_overrides(args.overrides)  # syntax errors surface before any work
         return args.func(args)
     except _user_errors() as exc:
-        print(f"hyperloom {args.command}: error: {exc}", file=sys.stderr)
+        where = f" (rank {_rank()})" if "RANK" in os.environ else ""
+        if _rank() == 0 or not isinstance(exc, ConfigError):  # config errors: said once
+            print(f"hyperloom {args.command}{where}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

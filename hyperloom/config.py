@@ -87,6 +87,13 @@ class ParallelConfig:
     pp: int = knob(1, "pipeline-parallel degree")
     cp: int = knob(1, "context-parallel degree")
     ep: int = knob(1, "expert-parallel degree (folds over dp x cp)")
+    sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
+    zero: int = knob(
+        0,
+        "0 = DDP (replicated); 3 = FSDP2 (params, grads, Adam state sharded over dp)",
+        choices=[0, 3],
+    )
+    order: str = knob("pp,dp,cp,tp", "rank order of the mesh, outermost first (tp innermost)")
 
 
 @dataclass(frozen=True)
@@ -403,13 +410,16 @@ def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobC
 
 
 def load_config(
-    path: str | os.PathLike | None = None, overrides: list[str] | None = None
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    world_size: int | None = None,
 ) -> JobConfig:
-    """The job from an optional TOML file plus dotted overrides, validated."""
+    """The job from an optional TOML file plus dotted overrides, validated (against
+    `world_size`, default torchrun's WORLD_SIZE)."""
     raw = read_toml(path) if path else {}
     if overrides:
         raw = _deep_merge(raw, parse_overrides(overrides))
-    return config_from_dict(raw)
+    return config_from_dict(raw, world_size)
 
 
 # --------------------------------------------------------------------------- validation
@@ -529,6 +539,13 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     if bad:
         p.extend(f"parallel.{k} must be >= 1, got {getattr(par, k)}" for k in bad)
     else:
+        p.extend(_tensor_parallel_problems(cfg))
+        for key, issue in (("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+            if getattr(par, key) > 1:
+                p.append(
+                    f"parallel.{key} = {getattr(par, key)}: {issue} parallelism is not built "
+                    f"yet; this release runs tp, sp and dp (zero 0 or 3)"
+                )
         world = world_size_from_env() if world_size is None else world_size
         product = par.dp * par.tp * par.pp * par.cp
         if product != world:
@@ -541,6 +558,27 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             )
     if p:
         raise ConfigError(p)
+
+
+def _tensor_parallel_problems(cfg: JobConfig) -> list[str]:
+    m, par, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    out = []
+    for key in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        value = getattr(m, key)
+        if value > 0 and value % tp:
+            out.append(
+                f"model.{key} ({value}) is not divisible by parallel.tp ({tp}): each tensor-"
+                f"parallel rank needs a whole share, {value} / {tp} = {value / tp:.4g}"
+            )
+    if par.sp and tp > 1 and cfg.data.seq_len % tp:
+        out.append(
+            f"data.seq_len ({cfg.data.seq_len}) is not divisible by parallel.tp ({tp}); "
+            f"sequence parallelism splits the sequence into tp equal parts"
+        )
+    names = [n.strip() for n in par.order.split(",") if n.strip()]
+    if sorted(names) != sorted(["pp", "dp", "cp", "tp"]):
+        out.append(f"parallel.order must name pp, dp, cp and tp once each, got {par.order!r}")
+    return out
 
 
 # --------------------------------------------------------------------------- printing

@@ -33,12 +33,16 @@ class ModelFamily:
     build: Callable[[ModelConfig], nn.Module]
     param_count: Callable[[ModelConfig], int]
     training_flops_per_token: Callable[[ModelConfig, int], int]
+    tp_plan: dict[str, str]  # module path pattern -> tensor-parallel style
 
 
 def _llama() -> ModelFamily:
     from hyperloom.models import llama
+    from hyperloom.models.llama.plan import TP_PLAN
 
-    return ModelFamily("llama", llama.Llama, llama.param_count, llama.training_flops_per_token)
+    return ModelFamily(
+        "llama", llama.Llama, llama.param_count, llama.training_flops_per_token, TP_PLAN
+    )
 
 
 _FAMILIES: dict[str, Callable[[], ModelFamily]] = {"llama": _llama}

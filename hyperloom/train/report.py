@@ -43,6 +43,9 @@ def _logging_console() -> Console:
 
 
 class Reporter:
+    """Writes the run's files and draws its progress; a disabled reporter (every rank but the
+    main one) does nothing, so the loop calls it unconditionally."""
+
     def __init__(
         self,
         run_dir: str | os.PathLike,
@@ -50,19 +53,23 @@ class Reporter:
         progress: bool = True,
         console: Console | None = None,
         append: bool = False,
+        enabled: bool = True,
     ):
+        self.enabled = enabled
         self.run_dir = Path(run_dir)
+        self.history: list[dict[str, Any]] = []
+        self._warned_mfu = False
+        self._progress = None
+        if not enabled:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a" if append else "w")
         self.console = console or _logging_console()
-        self.history: list[dict[str, Any]] = []
-        self._warned_mfu = False
         if append:
             self.history = [
                 json.loads(line) for line in self.metrics_path.read_text().splitlines() if line
             ]
-        self._progress = None
         if progress:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -86,11 +93,15 @@ class Reporter:
             self._progress.update(self._task, completed=step)
 
     def _write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         self.history.append(record)
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
     def train_metrics(self, record: dict[str, Any], total_steps: int, peak_tflops: float) -> None:
+        if not self.enabled:
+            return
         self._write({"event": "train", **record})
         if record["mfu"] > 1.0 and not self._warned_mfu:
             self._warned_mfu = True
@@ -114,13 +125,16 @@ class Reporter:
         )
 
     def eval_metrics(self, step: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
         self._write({"event": "eval", "step": step, "val_loss": val_loss})
         log.info("step %d | validation loss %.4f", step, val_loss)
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        self._metrics.close()
+        if self.enabled:
+            self._metrics.close()
 
     def plot(self) -> Path | None:
         """Loss curve PNG from the metrics history."""

@@ -14,19 +14,27 @@ keeping the schedule planned for `train.steps`, which is how such a split run is
 from __future__ import annotations
 
 import logging
-import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
 from hyperloom.config import JobConfig, dumps_toml
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
-from hyperloom.models.registry import family, init_model
+from hyperloom.models.registry import family
+from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.optim import build_optimizer, lr_at
 from hyperloom.train.report import Reporter, write_summary
@@ -48,51 +56,82 @@ class RunResult:
 class Trainer:
     def __init__(self, cfg: JobConfig, data: DataBundle | None = None):
         self.cfg = cfg
-        self.run_dir = Path(cfg.logging.run_dir)
-        self.acc = get_accelerator(cfg.train.device)
-        self.dtype = DTYPES[cfg.precision.dtype]
-        torch.manual_seed(cfg.train.seed)
-        self.data = data or build_data(cfg.data, cfg.model.vocab_size)
-        self.model = init_model(cfg.model, self.acc.device, cfg.train.seed)
-        self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
-        self.optimizer = build_optimizer(self.model, cfg.train)
         t = cfg.train
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.acc = get_accelerator(t.device, index=int(os.environ.get("LOCAL_RANK", "0")))
+        init_distributed(self.acc)
+        self.mesh = build_mesh(cfg.parallel, self.acc)
+        self.dtype = DTYPES[cfg.precision.dtype]
+        torch.manual_seed(t.seed)
+        self.data = data or self._build_data()
+        self.pm = parallelize(cfg, self.mesh, self.acc.device)
+        self.model = self.pm.inner
+        self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
+        self.optimizer = build_optimizer(self.model, t)
+        # Every data-parallel rank draws the same global batch and keeps its own rows, so a
+        # layout sees exactly the sequences a single process with dp x the batch would.
+        self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
         self.loader = ResumableLoader(
-            self.data.train, t.micro_batch_size, cfg.data.seq_len, seed=t.seed
+            self.data.train, t.micro_batch_size * self.dp, cfg.data.seq_len, seed=t.seed
         )
         self.val = val_batches(self.data.val, t.micro_batch_size, cfg.data.seq_len, t.eval_batches)
         fam = family(cfg.model.family)
         self.n_params = fam.param_count(cfg.model)
         self.flops_per_token = fam.training_flops_per_token(cfg.model, cfg.data.seq_len)
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
+        self.tokens_per_step = t.micro_batch_size * self.dp * t.grad_accum * cfg.data.seq_len
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
 
+    def _build_data(self) -> DataBundle:
+        # The main rank fills the cache first; the others then read it instead of racing.
+        if self.mesh.world_size > 1 and not self.mesh.is_main:
+            dist.barrier()
+        bundle = build_data(self.cfg.data, self.cfg.model.vocab_size)
+        if self.mesh.world_size > 1 and self.mesh.is_main:
+            dist.barrier()
+        return bundle
+
+    def _barrier(self) -> None:
+        if self.mesh.world_size > 1:
+            dist.barrier()
+
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
-            "loader": self.loader.state_dict(),
-            "rng": ckpt.rng_state(self.acc.rng_state()),
-        }
+    def _all_rng_states(self) -> list[dict[str, Any]]:
+        mine = ckpt.rng_state(self.acc.rng_state())
+        if self.mesh.world_size == 1:
+            return [mine]
+        everyone: list[Any] = [None] * self.mesh.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def save(self, last_loss: float | None) -> Path:
-        tok_json = self.run_dir / ".tokenizer.json"
-        self.data.tokenizer.save(tok_json)
-        path = ckpt.save_checkpoint(
-            self.run_dir,
-            self.step,
-            self.model.state_dict(),
-            self.state_dict(),
-            {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()},
-            {"tokens_seen": self.tokens_seen, "loss": last_loss},
-            keep=self.cfg.checkpoint.keep,
-        )
-        tok_json.unlink()
+        """Checkpoint with whole tensors (a collective; the main rank writes)."""
+        model_state = full_model_state(self.pm)
+        train_state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": full_optimizer_state(self.pm, self.optimizer),
+            "loader": self.loader.state_dict(),
+            "rng": self._all_rng_states(),
+            "layout": self.mesh.describe(),
+        }
+        path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
+        if self.mesh.is_main:
+            tok_json = self.run_dir / ".tokenizer.json"
+            self.data.tokenizer.save(tok_json)
+            path = ckpt.save_checkpoint(
+                self.run_dir,
+                self.step,
+                model_state,
+                train_state,
+                {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()},
+                {"tokens_seen": self.tokens_seen, "loss": last_loss},
+                keep=self.cfg.checkpoint.keep,
+            )
+            tok_json.unlink()
+        self._barrier()
         return path
 
     def maybe_resume(self) -> None:
@@ -109,36 +148,50 @@ class Trainer:
         ckpt.verify_checkpoint(path)
         state = ckpt.load_train_state(path)
         try:
-            self.model.load_state_dict(ckpt.load_model_state(path))
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_full_model_state(self.pm, ckpt.load_model_state(path))
+            load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} does not fit this job's model/optimizer "
                 f"(was it written with another [model] section?): {exc}"
             ) from None
         self.loader.load_state_dict(state["loader"])
-        self.acc.set_rng_state(ckpt.restore_rng(state["rng"]))
+        rngs = state["rng"]
+        # Same world size: every rank gets its own streams back; otherwise rank 0's.
+        mine = rngs[self.mesh.global_rank] if len(rngs) == self.mesh.world_size else rngs[0]
+        self.acc.set_rng_state(ckpt.restore_rng(mine))
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.resumed_from = path
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info(
+            "resumed from %s at step %d (saved with %s)",
+            path,
+            self.step,
+            state.get("layout", "1 process"),
+        )
 
     # ------------------------------------------------------------------ steps
 
+    def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = self.loader.next_batch()  # (mbs * dp, seq) each
+        mbs = self.cfg.train.micro_batch_size
+        rows = slice(self.dp_rank * mbs, (self.dp_rank + 1) * mbs)
+        return inputs[rows].to(self.acc.device), labels[rows].to(self.acc.device)
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss, grad norm) as device tensors."""
+        """One optimizer step; returns (mean loss on this rank, grad norm) as device tensors."""
         t = self.cfg.train
-        self.model.train()
+        self.pm.module.train()
         total = torch.zeros((), device=self.acc.device)
-        for _ in range(t.grad_accum):
-            inputs, labels = self.loader.next_batch()
-            inputs, labels = inputs.to(self.acc.device), labels.to(self.acc.device)
-            with self.acc.autocast(self.dtype):
-                logits = self.fwd(inputs)  # (b, s, vocab)
-            loss = causal_lm_loss(logits, labels) / t.grad_accum
-            loss.backward()
+        for i in range(t.grad_accum):
+            inputs, labels = self._local_batch()
+            with self.pm.sync_context(last_micro_batch=i == t.grad_accum - 1):
+                with self.acc.autocast(self.dtype):
+                    logits = self.fwd(inputs)  # (b, s, vocab), or a vocab shard under tp
+                loss = self.pm.loss(logits, labels) / t.grad_accum
+                loss.backward()
             total += loss.detach()
-        clip = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        self.pm.finish_grads()
+        grad_norm = self.pm.clip_grad_norm(t.grad_clip)
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -148,6 +201,15 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         return total, grad_norm
 
+    def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel ranks (their losses are over different sequences)."""
+        group = self.mesh.group("dp")
+        if group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=group)
+            value /= self.dp
+        return value
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
@@ -155,8 +217,9 @@ class Trainer:
         for inputs, labels in self.val:
             with self.acc.autocast(self.dtype):
                 logits = self.fwd(inputs.to(self.acc.device))
-            losses.append(causal_lm_loss(logits, labels.to(self.acc.device)))
-        return torch.stack(losses).mean().item()
+            losses.append(self.pm.loss(logits, labels.to(self.acc.device)))
+        self.pm.reshard()
+        return torch.stack(losses).mean().item()  # every rank saw the same batches
 
     # ------------------------------------------------------------------ loop
 
@@ -176,19 +239,27 @@ class Trainer:
                 end_step,
             )
         # MFU is quoted against the BF16 matmul peak whatever the training dtype, as is usual.
-        peak = lg.peak_tflops or measure_matmul_tflops(self.acc.kind, "bf16")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
+        main = self.mesh.is_main
+        # Only the main rank reports MFU, so only it spends time measuring the peak.
+        peak = lg.peak_tflops or (measure_matmul_tflops(self.acc.kind, "bf16") if main else 1.0)
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
         reporter = Reporter(
-            self.run_dir, t.steps, progress=lg.progress, append=self.resumed_from is not None
+            self.run_dir,
+            t.steps,
+            progress=lg.progress,
+            append=self.resumed_from is not None,
+            enabled=main,
         )
         log.info(
-            "model %s (%s parameters, %.3g GFLOP/token) on %s, %s; %s tokens/step",
+            "model %s (%s parameters, %.3g GFLOP/token) on %s, %s, layout %s; %s tokens/step",
             cfg.model.preset,
             f"{self.n_params:,}",
             self.flops_per_token / 1e9,
             self.acc.describe(),
             cfg.precision.dtype,
+            self.mesh.describe(),
             f"{self.tokens_per_step:,}",
         )
         first_step = self.step
@@ -197,7 +268,7 @@ class Trainer:
             reporter.eval_metrics(0, initial_val)
         self.acc.reset_peak_memory()
         wall_start = time.perf_counter()
-        window = _Window()
+        window = _Window(self.dp_mean)
         last_loss = val_loss = None
         train_time = 0.0
         reporter.start(first_step)
@@ -254,16 +325,19 @@ class Trainer:
             "wall_time_s": time.perf_counter() - wall_start,
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
-        write_summary(self.run_dir, summary)
-        if lg.plot:
-            reporter.plot()
+        summary["layout"] = self.mesh.describe()
+        if main:
+            write_summary(self.run_dir, summary)
+            if lg.plot:
+                reporter.plot()
         return RunResult(summary, self.run_dir)
 
 
 class _Window:
     """Losses (device tensors) and tokens since the last log line, and the time they took."""
 
-    def __init__(self) -> None:
+    def __init__(self, reduce) -> None:
+        self.reduce = reduce  # averages a loss over the data-parallel ranks
         self.restart()
         self.losses: list[torch.Tensor] = []
         self.tokens = 0
@@ -278,7 +352,7 @@ class _Window:
     def take(self) -> tuple[float, float, float]:
         """(seconds, mean loss, tokens/s) of the window; starts a new one."""
         elapsed = time.perf_counter() - self.start
-        mean_loss = torch.stack(self.losses).mean().item()  # the one host sync per log step
+        mean_loss = self.reduce(torch.stack(self.losses).mean()).item()  # one sync per log
         tps = self.tokens / elapsed
         self.losses, self.tokens = [], 0
         self.restart()

@@ -64,8 +64,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads
+        # Head counts are read from the projections' shapes in forward, so tensor
+        # parallelism (which leaves each rank a slice of the heads) needs no change here.
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -80,18 +80,18 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)  # (b, s, h, d)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # (b, s, kv, d)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # (b, s, h, d)
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv, d)
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        seq = q.shape[1]  # the full sequence, also when x arrives sequence-parallel
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
         # SDPA wants (b, heads, s, d).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.n_kv_heads != self.n_heads:
-            # Grouped-query attention: each kv head serves n_heads/n_kv_heads query heads.
-            rep = self.n_heads // self.n_kv_heads
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            # Grouped-query attention: each kv head serves `rep` consecutive query heads.
             k = k.repeat_interleave(rep, dim=1)  # (b, h, kv_len, d)
             v = v.repeat_interleave(rep, dim=1)
         if start_pos == 0:
@@ -101,10 +101,10 @@ class Attention(nn.Module):
         else:
             # New block of queries after a cached prefix: query i sits at start_pos + i.
             kv_len = k.shape[2]
-            q_pos = torch.arange(start_pos, start_pos + seq, device=x.device)
-            mask = q_pos[:, None] >= torch.arange(kv_len, device=x.device)[None, :]
+            q_pos = torch.arange(start_pos, start_pos + seq, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(kv_len, device=q.device)[None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).flatten(2)  # (b, s, h * d)
         return self.wo(out)
 
 
@@ -193,8 +193,15 @@ class Llama(nn.Module):
                 p.fill_(1.0)
                 continue
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else c.init_std
-            # Drawn on CPU so the values do not depend on the target device's RNG.
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            # A tensor-parallel shard says which slice of the full tensor it is; drawing the
+            # full tensor and keeping the slice makes every layout start from the weights of
+            # the single-device model. Drawn on CPU so the device's RNG does not matter.
+            spec = getattr(p, "shard_spec", None)  # (dim, index, parts) or None
+            shape = list(p.shape)
+            if spec is not None:
+                shape[spec[0]] *= spec[2]
+            full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+            p.copy_(full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]])
         self.rope_cos, self.rope_sin = self._rope_tables(self.tok_embeddings.weight.device)
 
     def materialize(self, device: torch.device, seed: int) -> Llama:
@@ -218,5 +225,6 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, cache, start_pos)
         h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight)  # (b, s, vocab)
+        if self.output is None:  # tied: the embedding matrix is the head
+            return F.linear(h, self.tok_embeddings.weight)  # (b, s, vocab)
+        return self.output(h)  # (b, s, vocab), or a vocab shard under tensor parallelism

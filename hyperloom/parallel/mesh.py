@@ -1,0 +1,129 @@
+"""One device mesh for the whole job: named dimensions pp, dp, cp, tp, and the groups they imply.
+
+The mesh is the only place process groups come from; they are handed to the layers that need
+them explicitly (no module globals). Built on `torch.distributed.device_mesh.DeviceMesh`, so
+its groups are the ones FSDP2 and distributed checkpointing also understand.
+
+Rank order. Ranks are laid out row-major over `parallel.order` (outermost first, default
+"pp,dp,cp,tp"): tensor parallelism is innermost, so the ranks of one tensor-parallel group are
+consecutive — on a GPU node, the GPUs joined by NVLink — and pipeline stages are outermost,
+where the slow links carry the least traffic (Narayanan et al., arXiv 2104.04473, §3.3).
+
+Expert parallelism does not add a dimension: it folds over data x context parallelism, as in
+Megatron's MoE "parallel folding" (the expert layers reuse those ranks for a different
+split), so `ep` must divide `dp * cp`.
+
+A single process gets a mesh with every size 1 and no groups; the layers then skip their
+collectives, so the same code runs with and without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hyperloom.accelerator import Accelerator
+from hyperloom.config import ParallelConfig
+
+log = logging.getLogger("hyperloom.parallel")
+
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """'pp,dp,cp,tp' -> ('pp', 'dp', 'cp', 'tp'); must name each dimension once."""
+    names = tuple(n.strip() for n in order.split(",") if n.strip())
+    if sorted(names) != sorted(DIMS):
+        raise ValueError(
+            f"parallel.order must name each of {', '.join(DIMS)} exactly once, got {order!r}"
+        )
+    return names
+
+
+def init_distributed(acc: Accelerator) -> bool:
+    """Join the process group torchrun announced (if any). Returns True when distributed."""
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    dist.init_process_group(backend=acc.backend)
+    return True
+
+
+@dataclass
+class ParallelMesh:
+    """Sizes, this rank's coordinates and the process groups of every mesh dimension."""
+
+    sizes: dict[str, int]
+    order: tuple[str, ...]
+    device_mesh: object | None = None  # torch DeviceMesh when world > 1
+    _groups: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that logs, writes metrics and draws the progress bar."""
+        return self.global_rank == 0
+
+    def size(self, dim: str) -> int:
+        return self.sizes[dim]
+
+    def rank(self, dim: str) -> int:
+        """This process's coordinate along `dim` (0 when the dimension has size 1)."""
+        if self.sizes[dim] == 1 or self.device_mesh is None:
+            return 0
+        return self.device_mesh.get_local_rank(dim)
+
+    def group(self, dim: str):
+        """Process group of `dim`, or None when it has size 1 (nothing to communicate)."""
+        if self.sizes[dim] == 1 or self.device_mesh is None:
+            return None
+        if dim not in self._groups:
+            self._groups[dim] = self.device_mesh.get_group(dim)
+        return self._groups[dim]
+
+    def submesh(self, *dims: str):
+        """The DeviceMesh over `dims` (for FSDP2 and friends)."""
+        if self.device_mesh is None:
+            return None
+        return self.device_mesh[dims if len(dims) > 1 else dims[0]]
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}({self.sizes[d]})" for d in self.order) + f" = {self.world_size}"
+
+
+def build_mesh(cfg: ParallelConfig, acc: Accelerator) -> ParallelMesh:
+    """The job's mesh. Call after `init_distributed`; the config was validated against the
+    world size already, so a mismatch here is a programming error."""
+    order = parse_order(cfg.order)
+    sizes = {d: getattr(cfg, d) for d in order}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if math.prod(sizes.values()) != world:
+        raise ValueError(f"mesh {sizes} does not match world size {world}")
+    if world == 1:
+        return ParallelMesh(sizes, order)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(acc.kind, tuple(sizes.values()), mesh_dim_names=order)
+    mesh = ParallelMesh(sizes, order, device_mesh)
+    log.info("device mesh %s on %s (backend %s)", mesh.describe(), acc.kind, acc.backend)
+    return mesh
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place sum over `group`; a no-op without one."""
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t

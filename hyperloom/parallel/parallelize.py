@@ -1,0 +1,204 @@
+"""Apply a parallel layout to a single-device model, in one fixed order: TP/SP, then DP.
+
+(Expert, context parallelism, recompute and compile slot in between, in that order, as they
+land.) A model family describes tensor parallelism as data — a plan mapping module paths
+(with `*` for a layer index) to a style — and this module knows what each style means:
+
+- "colwise" / "rowwise": Megatron column/row-parallel linears;
+- "tp_input": the block's input is made whole on the group once (all-gather under sequence
+  parallelism), for all the column-parallel linears inside it;
+- "vocab_embedding" / "vocab_head": vocabulary-parallel embedding and output head;
+- "sp_norm": a norm that runs on a sequence slice under sequence parallelism, so its
+  weight gradient must be summed over the tensor-parallel group.
+
+Data parallelism then wraps the result:
+- zero = 0: PyTorch DDP (bucketed all-reduce overlapped with backward, `no_sync` for gradient
+  accumulation) — well-kept machinery, nothing to gain by rewriting it;
+- zero = 3: PyTorch FSDP2 (`fully_shard`, per transformer block then the root): parameters,
+  gradients and Adam state are sharded over dp and all-gathered per block just in time. We
+  use FSDP2 rather than our own because it is composable with our tensor-parallel modules
+  (they are plain modules with plain parameters) and is what torchtitan ships.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.parallel import tensor_parallel as tpl
+from hyperloom.parallel.mesh import ParallelMesh
+
+log = logging.getLogger("hyperloom.parallel")
+
+STYLES = ("colwise", "rowwise", "tp_input", "vocab_embedding", "vocab_head", "sp_norm")
+
+
+def _modules_matching(model: nn.Module, pattern: str) -> list[str]:
+    return [name for name, _ in model.named_modules() if fnmatch.fnmatchcase(name, pattern)]
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool
+) -> list[str]:
+    """Swap in the plan's parallel modules (model may be on the meta device).
+
+    Returns the names of the parameters whose gradients must be summed over the group after
+    backward (norm weights under sequence parallelism).
+    """
+    sp_params: list[str] = []
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"unknown tensor-parallel style {style!r} for {pattern!r}")
+        paths = _modules_matching(model, pattern)
+        if not paths and not (style == "vocab_head" and getattr(model, pattern, 1) is None):
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
+        if style == "vocab_head" and not paths:  # tied embeddings: the head borrows them
+            emb = next(m for m in model.modules() if isinstance(m, tpl.VocabParallelEmbedding))
+            _set_submodule(
+                model, pattern, tpl.VocabParallelHead(emb, group, sequence_parallel, True)
+            )
+            continue
+        for path in paths:
+            old = model.get_submodule(path)
+            if style == "colwise":
+                _set_submodule(model, path, tpl.ColumnParallelLinear(old, group))
+            elif style == "rowwise":
+                _set_submodule(model, path, tpl.RowParallelLinear(old, group, sequence_parallel))
+            elif style == "vocab_embedding":
+                new = tpl.VocabParallelEmbedding(old, group, sequence_parallel)
+                _set_submodule(model, path, new)
+            elif style == "vocab_head":
+                new = tpl.VocabParallelHead(old, group, sequence_parallel, tied=False)
+                _set_submodule(model, path, new)
+            elif style == "tp_input":
+                tpl.prepare_tp_input(old, group, sequence_parallel)
+            elif style == "sp_norm" and sequence_parallel:
+                sp_params.extend(f"{path}.{n}" for n, _ in old.named_parameters())
+    return sp_params
+
+
+@dataclass
+class ParallelModel:
+    """A parallelized model and the operations the training loop needs from its layout."""
+
+    module: nn.Module  # what the loop calls (DDP-wrapped for zero = 0 with dp > 1)
+    inner: nn.Module  # the model itself, for state dicts and generation
+    mesh: ParallelMesh
+    zero: int
+    sp_params: list[str] = field(default_factory=list)  # names; see finish_grads
+
+    @property
+    def tp_group(self):
+        return self.mesh.group("tp")
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; vocab-parallel when the head is."""
+        return tpl.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
+    def sync_context(self, last_micro_batch: bool):
+        """Skip the data-parallel gradient reduction on all but the last micro-batch."""
+        if last_micro_batch or self.mesh.size("dp") == 1:
+            return contextlib.nullcontext()
+        if self.zero == 0:
+            return self.module.no_sync()
+        return _fsdp_no_sync(self.inner)
+
+    def reshard(self) -> None:
+        """FSDP keeps the root's parameters gathered after a forward that has no backward
+        (evaluation); put them back in their sharded form before anything reads them."""
+        if self.zero == 3 and self.mesh.size("dp") > 1:
+            for m in self.inner.modules():
+                if hasattr(m, "reshard"):
+                    m.reshard()
+
+    def finish_grads(self) -> None:
+        """After backward: sum the sequence-parallel norms' weight gradients over tp."""
+        group = self.tp_group
+        if group is None:
+            return
+        grads = [self.inner.get_parameter(n).grad for n in self.sp_params]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over the whole layout; scales gradients down to `max_norm`.
+
+        Tensor-parallel shards contribute their squares summed over tp; replicated
+        parameters count once. Under FSDP every dp rank holds a disjoint shard, so the sum
+        also runs over dp. Same formula as `torch.nn.utils.clip_grad_norm_`.
+        """
+        sharded, replicated = [], []
+        for p in self.inner.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
+        dev = next(self.inner.parameters()).device
+
+        def sq(gs):
+            if not gs:
+                return torch.zeros((), device=dev)
+            return torch.stack([g.float().pow(2).sum() for g in gs]).sum()
+
+        sharded_sq = sq(sharded)
+        if self.tp_group is not None:
+            dist.all_reduce(sharded_sq, group=self.tp_group)
+        total_sq = sharded_sq + sq(replicated)
+        if self.zero == 3 and self.mesh.group("dp") is not None:
+            dist.all_reduce(total_sq, group=self.mesh.group("dp"))
+        total = total_sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in sharded + replicated:
+                g.mul_(coef)
+        return total
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, zero: int) -> nn.Module:
+    """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1."""
+    if mesh.size("dp") == 1:
+        return model
+    if zero == 0:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, process_group=mesh.group("dp"), broadcast_buffers=False, bucket_cap_mb=25
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 replaces each parameter with a DTensor one; carry the tensor-parallel shard
+    # description over so clipping and checkpoints still know which tensors are tp slices.
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
+    dp_mesh = mesh.submesh("dp")
+    for block in getattr(model, "layers", []):
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for name, spec in specs.items():
+        model.get_parameter(name).shard_spec = spec
+    return model

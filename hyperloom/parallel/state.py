@@ -1,0 +1,128 @@
+"""Layout-free model and optimizer state: gather shards to full tensors, slice them back.
+
+A checkpoint holds every tensor whole and keyed by parameter name, so it loads into any
+layout (tp, dp, zero, world size) and into a single process: loading slices each tensor for
+the rank's tensor-parallel shard and, under FSDP, distributes it over dp. Gathering costs a
+full copy on every rank — fine for the models this release trains; the resilience work
+replaces it with sharded `torch.distributed.checkpoint` saves that reshard on load.
+
+Optimizer state is stored by parameter name too (`{"state": {name: {...}}}`), not by the
+position of the parameter in the optimizer, which a different layout may change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.parallel.parallelize import ParallelModel
+
+
+def _gather_tp(t: torch.Tensor, spec, group) -> torch.Tensor:
+    if spec is None or group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=spec[0])
+
+
+def _full(t: torch.Tensor, spec, group) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather over dp first
+        t = t.full_tensor()
+    return _gather_tp(t.detach(), spec, group)
+
+
+def _place(full: torch.Tensor, like: torch.Tensor, spec) -> torch.Tensor:
+    """This rank's piece of `full`, shaped and placed like `like`."""
+    piece = full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]]
+    if hasattr(like, "device_mesh"):  # DTensor
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(piece.to(like.device), like.device_mesh, like.placements)
+    return piece.to(device=like.device, dtype=like.dtype)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if hasattr(dst, "to_local"):
+        dst.to_local().copy_(src.to_local())
+    else:
+        dst.copy_(src)
+
+
+def full_model_state(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on CPU (a collective: call on every rank)."""
+    return {
+        name: _full(p, getattr(p, "shard_spec", None), pm.tp_group).cpu()
+        for name, p in pm.inner.named_parameters()
+    }
+
+
+@torch.no_grad()
+def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> None:
+    params = dict(pm.inner.named_parameters())
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise KeyError(
+            f"state does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    for name, p in params.items():
+        spec = getattr(p, "shard_spec", None)
+        full_shape = list(p.shape)
+        if spec is not None:
+            full_shape[spec[0]] *= spec[2]
+        if list(state[name].shape) != full_shape:
+            raise ValueError(
+                f"{name}: checkpoint has shape {tuple(state[name].shape)}, model needs "
+                f"{tuple(full_shape)}"
+            )
+        _copy_into(p, _place(state[name], p, spec))
+
+
+def _names(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
+    return {id(p): (n, p) for n, p in model.named_parameters()}
+
+
+def full_optimizer_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """AdamW state whole and keyed by parameter name (a collective)."""
+    by_id = _names(pm.inner)
+    out: dict[str, Any] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name, param = by_id[id(p)]
+            spec = getattr(param, "shard_spec", None)
+            st = opt.state.get(p, {})
+            out[name] = {
+                k: (_full(v, spec, pm.tp_group).cpu() if v.dim() > 0 else _local(v).cpu())
+                for k, v in st.items()
+            }
+    return {"state": out}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+@torch.no_grad()
+def load_full_optimizer_state(
+    pm: ParallelModel, opt: torch.optim.Optimizer, saved: dict[str, Any]
+) -> None:
+    by_id = _names(pm.inner)
+    state = saved["state"]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name, param = by_id[id(p)]
+            if name not in state:
+                raise KeyError(f"optimizer state has no entry for {name}")
+            spec = getattr(param, "shard_spec", None)
+            entry = {}
+            for k, v in state[name].items():
+                if v.dim() == 0:  # Adam's step counter: on the device for fused kernels
+                    on_device = group.get("fused") or group.get("capturable")
+                    entry[k] = v.clone().to(p.device) if on_device else v.clone()
+                else:
+                    entry[k] = _place(v, p, spec)
+            opt.state[p] = entry

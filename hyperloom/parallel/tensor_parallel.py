@@ -1,0 +1,271 @@
+"""Tensor and sequence parallelism (Megatron-LM style), as layers applied from outside.
+
+Tensor parallelism (Shoeybi et al., arXiv 1909.08053) splits each attention block and MLP
+across the `tp` ranks with two collectives per block: a column-parallel linear (weight split
+along its output features: heads, or the SwiGLU hidden width) feeds a row-parallel linear
+(weight split along its input features), whose partial outputs are summed across the group.
+Sequence parallelism (Korthikanti et al., arXiv 2205.05198) also splits the regions between
+the blocks (norms, residual adds) along the sequence: the all-reduce becomes a reduce-scatter
+after the row-parallel linear plus an all-gather before the next column-parallel one, which
+moves the same bytes but stores 1/tp of those activations.
+
+We write these layers ourselves rather than use DTensor's `parallelize_module` because the
+rest of the engine needs to own the GEMMs: the FP8 engine quantizes on a chosen side of each
+collective, and Zero Bubble pipeline schedules split a linear's backward into the input
+gradient (B) and the weight gradient (W). The collectives are four autograd functions whose
+backward is the conjugate collective (identity <-> all-reduce, all-gather <-> reduce-scatter).
+
+Activations are batch-first, (batch, seq, features); the sequence dimension is 1.
+
+The output head is vocab-parallel and feeds `vocab_parallel_cross_entropy`, which needs only
+three all-reduces of (batch, seq) scalars: the full (batch, seq, vocab) logits never exist on
+one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SEQ_DIM = 1
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=SEQ_DIM)  # (b, s, ...) from tp x (b, s/tp, ...)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    chunks = [c.contiguous() for c in x.chunk(_world(group), dim=SEQ_DIM)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out  # (b, s/tp, ...): this rank's sequence slice of the sum
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the input gradient over the group ("f" in Megatron)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward; identity backward ("g" in Megatron)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence-parallel -> full sequence; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Partial sums over the full sequence -> this rank's summed sequence slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x, group):
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x, group):
+    return x if group is None else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x, group):
+    return x if group is None else _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's sequence slice of a tensor every rank holds whole (no communication)."""
+    if group is None:
+        return x
+    return x.chunk(_world(group), dim=SEQ_DIM)[_rank(group)].contiguous()
+
+
+def _shard_param(full_shape: tuple[int, ...], dim: int, group, like: torch.Tensor) -> nn.Parameter:
+    parts, index = _world(group), _rank(group)
+    if full_shape[dim] % parts:
+        raise ValueError(f"dimension {dim} of {full_shape} does not split into {parts} parts")
+    shape = list(full_shape)
+    shape[dim] //= parts
+    p = nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device))
+    # Read by Llama.init_weights (draw the full tensor, keep this slice) and by checkpoints.
+    p.shard_spec = (dim, index, parts)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W_iᵀ for this rank's rows W_i of W (output features split across the group).
+
+    The input must already be whole and "copied into" the group: `prepare_tp_input` on the
+    enclosing block does that once for q, k and v (or w1 and w3) instead of once per linear.
+    """
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.weight = _shard_param(tuple(linear.weight.shape), 0, group, linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # (b, s, out / tp)
+
+
+def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
+    """Make `module`'s first input whole on every rank of the group, once per call:
+    all-gather along the sequence under sequence parallelism, else the identity whose
+    backward sums the gradient over the group."""
+
+    def hook(_module, args):
+        x = args[0]
+        x = gather_seq(x, group) if sequence_parallel else copy_to_tp(x, group)
+        return (x, *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_i x_i W_iᵀ over the group, W_i this rank's columns (input features split)."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard_param(tuple(linear.weight.shape), 1, group, linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
+        if self.sequence_parallel:
+            return reduce_scatter_seq(partial, self.group)  # (b, s/tp, out)
+        return reduce_from_tp(partial, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary's rows; lookups of ids outside
+    the slice contribute zeros, and the sum over the group assembles every embedding."""
+
+    def __init__(self, embedding: nn.Embedding, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard_param(tuple(embedding.weight.shape), 0, group, embedding.weight)
+        self.vocab_start = _rank(group) * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, dim)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_seq(out, self.group)  # (b, s/tp, dim)
+        return reduce_from_tp(out, self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """Logits for this rank's vocabulary slice, (b, s, vocab / tp). With tied embeddings it
+    borrows the vocab-parallel embedding's weight (same slice) without registering it."""
+
+    def __init__(self, weight_source: nn.Module, group, sequence_parallel: bool, tied: bool):
+        super().__init__()
+        self.group, self.sequence_parallel, self.tied = group, sequence_parallel, tied
+        if tied:
+            object.__setattr__(self, "_source", weight_source)  # not a submodule: no new keys
+        else:
+            self.weight = _shard_param(
+                tuple(weight_source.weight.shape), 0, group, weight_source.weight
+            )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self._source.weight if self.tied else self.weight
+        h = gather_seq(h, self.group) if self.sequence_parallel else copy_to_tp(h, self.group)
+        return F.linear(h, weight)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary (Megatron's
+    `vocab_parallel_cross_entropy`): global max, global Σexp and the target's logit are each
+    one all-reduce of a (tokens,) tensor; backward is softmax − one-hot on the local slice."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start):
+        in_dtype = logits.dtype
+        logits = logits.float()  # (n, v_local)
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        local = labels - vocab_start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        target = target.masked_fill(~inside, 0.0)
+        dist.all_reduce(target, group=group)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - target  # (n,)
+        ctx.save_for_backward(exp, sum_exp, local, inside)
+        ctx.in_dtype = in_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, sum_exp, local, inside = ctx.saved_tensors
+        grad = exp / sum_exp.unsqueeze(-1)  # softmax on the local slice
+        rows = torch.arange(grad.shape[0], device=grad.device)[inside]
+        grad[rows, local[inside]] -= 1.0
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    """Mean token cross-entropy from vocab-sharded logits (b, s, v/tp) and labels (b, s)."""
+    if group is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    vocab_start = _rank(group) * logits.shape[-1]
+    losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), group, vocab_start)
+    return losses.mean()

@@ -1,0 +1,102 @@
+"""GPipe, 1F1B and interleaved 1F1B: the schedules with a full backward (BW) per stage.
+
+GPipe (Huang et al. arXiv 1811.06965) runs every forward, then every backward. With p stages
+and m micro-batches the step takes (m + p - 1)(F + B + W): the bubble on each rank is
+(p - 1)(F + B + W), and all m activations are alive at the turn.
+
+1F1B, "PipeDream-Flush" (Narayanan et al. arXiv 2104.04473 §2.2.1): rank r runs p - r - 1
+warm-up forwards, then alternates one forward with one backward, then drains the remaining
+backwards. The bubble is the same as GPipe's, (p - 1)(F + B + W), but a rank never holds more
+than p - r activations, so memory no longer grows with m.
+
+Interleaved 1F1B (same paper, §2.2.2): each rank holds v model chunks (stage s on rank s % p),
+so a micro-batch crosses the ranks v times and each stage costs 1/v of a rank's share. The
+bubble shrinks to (p - 1)(F + B + W) / v at the price of v times the p2p traffic. We follow
+Megatron-LM's ordering (`megatron/core/pipeline_parallel/schedules.py`,
+`forward_backward_pipelining_with_interleaving`): micro-batches are taken in groups of p; for
+each group every chunk runs forward in chunk order (chunk 0 for the p micro-batches, then
+chunk 1, ...), and the backwards walk the same table with the chunk order reversed. Rank r
+warms up with 2(p - r - 1) + (v - 1)p forwards; after that, one forward and one backward
+alternate. The first group's chunk-c forwards on rank 0 reach rank p - 1 just as rank 0 needs
+them for chunk c + 1, which is why groups have exactly p micro-batches. When m is not a
+multiple of p the last group is shorter (Megatron's `get_schedule_table`); the schedule stays
+valid but the closed-form bubble holds only for m % p == 0.
+
+The numbers of m for which each works are enforced by `schedules.build_schedule`.
+"""
+
+from __future__ import annotations
+
+from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError, standard_placement
+
+
+def _standard(name: str, pp: int, vpp: int, m: int, actions: list[list[Action]]) -> Schedule:
+    n = pp * vpp
+    return Schedule(
+        name=name,
+        pp=pp,
+        n_stages=n,
+        microbatches=m,
+        placement=standard_placement(pp, vpp),
+        pipes=(Pipe(tuple(range(n)), tuple(range(m))),),
+        actions=tuple(tuple(a) for a in actions),
+    )
+
+
+def _check(pp: int, m: int) -> None:
+    if pp < 1 or m < 1:
+        raise ScheduleError(f"need pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+
+
+def gpipe(pp: int, m: int) -> Schedule:
+    """All forwards, then all full backwards (in micro-batch order, as torch.pipelining)."""
+    _check(pp, m)
+    acts = [
+        [Action.f(r, i) for i in range(m)] + [Action.bw(r, i) for i in range(m)] for r in range(pp)
+    ]
+    return _standard("gpipe", pp, 1, m, acts)
+
+
+def one_f_one_b(pp: int, m: int) -> Schedule:
+    """Warm-up forwards, one-forward-one-backward, drain (PipeDream-Flush)."""
+    _check(pp, m)
+    acts = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        seq = [Action.f(r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            seq += [Action.f(r, warmup + i), Action.bw(r, i)]
+        seq += [Action.bw(r, i) for i in range(m - warmup, m)]
+        acts.append(seq)
+    return _standard("1f1b", pp, 1, m, acts)
+
+
+def interleaved_order(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
+    """Megatron's table of (micro-batch, chunk) in forward order; groups of pp micro-batches."""
+    table = []
+    for first in range(0, m, pp):
+        group = range(first, min(first + pp, m))
+        table += [(mb, c) for c in range(vpp) for mb in group]
+    return table
+
+
+def interleaved_1f1b(pp: int, vpp: int, m: int) -> Schedule:
+    """Interleaved 1F1B with `vpp` chunks per rank (Megatron ordering, see module docstring)."""
+    _check(pp, m)
+    if vpp < 2:
+        raise ScheduleError(f"interleaved 1F1B needs vpp >= 2 chunks per rank, got {vpp}")
+    if m < pp:
+        raise ScheduleError(f"interleaved 1F1B needs micro-batches >= pp ({pp}), got {m}")
+    table = interleaved_order(pp, vpp, m)
+    total = len(table)  # m * vpp forwards per rank
+    acts = []
+    for r in range(pp):
+        fwd = [Action.f(c * pp + r, mb) for mb, c in table]
+        bwd = [Action.bw((vpp - 1 - c) * pp + r, mb) for mb, c in table]
+        warmup = min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+        seq = fwd[:warmup]
+        for i in range(total - warmup):
+            seq += [fwd[warmup + i], bwd[i]]
+        seq += bwd[total - warmup :]
+        acts.append(seq)
+    return _standard("interleaved", pp, vpp, m, acts)

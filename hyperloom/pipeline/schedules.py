@@ -1,0 +1,83 @@
+"""Registry of schedule generators and `build_schedule`, which checks what each one needs.
+
+Every generator is a plain function of (pipeline size, [virtual stages,] micro-batches) that
+returns a compute-only `Schedule`; `comm.add_communication` derives the p2p actions. The
+constraints below are those of the published algorithms, stated with the numbers that break
+them so a user can fix the command line:
+
+==============  =====  ===================================================================
+kind            vpp    micro-batches m
+==============  =====  ===================================================================
+gpipe           1      m >= 1
+1f1b            1      m >= 1 (the bubble is (p-1)(F+B+W) for every m)
+interleaved     >= 2   m a positive multiple of pp (Megatron's groups of pp micro-batches)
+zb-h1           1      m >= 1 (the closed-form bubble needs m >= pp)
+zb-v            2      m >= 1, pp >= 2 (V shape: 2 stages per rank, implied)
+dualpipe        1      pp even >= 2, m even and >= 2*pp (two model copies, implied)
+dualpipev       2      m >= 2*pp (V shape, implied)
+==============  =====  ===================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hyperloom.pipeline.basic import gpipe, interleaved_1f1b, one_f_one_b
+from hyperloom.pipeline.dualpipe import dualpipe, dualpipev
+from hyperloom.pipeline.ir import Schedule, ScheduleError
+from hyperloom.pipeline.zero_bubble import zb_h1, zb_v
+
+# kind -> generator(pp, vpp, m); vpp is passed only where it is a choice.
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "dualpipe": dualpipe,
+    "dualpipev": dualpipev,
+}
+
+# Stages per rank that a kind implies; interleaved is the one that takes --vpp.
+_FIXED_VPP = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2, "dualpipe": 1, "dualpipev": 2}
+
+DESCRIPTIONS = {
+    "gpipe": "all forwards, then all backwards",
+    "1f1b": "one forward, one full backward (PipeDream-Flush)",
+    "interleaved": "1F1B over vpp chunks per rank (Megatron)",
+    "zb-h1": "Zero Bubble H1: split backward, W deferred into the tail",
+    "zb-v": "Zero Bubble V: two chunks per rank in a V, split backward",
+    "dualpipe": "DualPipe: two model copies, micro-batches from both ends, F&B pairs",
+    "dualpipev": "DualPipeV: DualPipe's program on a V of 2*pp stages",
+}
+
+
+def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    """Build schedule `kind`; raise `ScheduleError` saying which constraint is broken."""
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    m = microbatches
+    if pp < 1 or m < 1:
+        raise ScheduleError(f"{kind}: need pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+    if kind == "interleaved":
+        if vpp < 2:
+            raise ScheduleError(
+                f"interleaved needs --vpp >= 2 model chunks per rank, got {vpp} "
+                f"(with one chunk per rank it is plain 1f1b)"
+            )
+        if m % pp:
+            lo = (m // pp) * pp
+            near = f"{lo} or {lo + pp}" if lo else f"{pp}"
+            raise ScheduleError(
+                f"interleaved (Megatron ordering) needs micro-batches to be a multiple of "
+                f"pp={pp}: got {m}, try {near}"
+            )
+        return interleaved_1f1b(pp, vpp, m)
+    fixed = _FIXED_VPP[kind]
+    if vpp not in (1, fixed):
+        shape = "2 stages per rank (implied)" if fixed == 2 else "one stage per rank"
+        hint = "; use 'interleaved' for more chunks per rank" if fixed == 1 else ""
+        raise ScheduleError(f"{kind} places {shape}: --vpp must be {fixed}, got {vpp}{hint}")
+    if kind == "zb-v" and pp < 2:
+        raise ScheduleError(f"zb-v needs pp >= 2 (the V turns at rank pp-1), got pp={pp}")
+    return SCHEDULES[kind](pp, m)

@@ -1,0 +1,104 @@
+"""Zero Bubble schedules: ZB-H1 and ZB-V (Qi et al., arXiv 2401.10241; sail-sg/zero-bubble).
+
+The idea. A linear layer's backward is two products: the input gradient (B), which the
+previous stage is waiting for, and the weight gradient (W), which nobody downstream needs.
+Splitting them lets the critical path carry only B, and W becomes filler for the bubbles.
+
+ZB-H1 (paper §3.1, "handcrafted 1"). 1F1B's warm-up is kept (rank r runs p - r - 1 forwards
+first, so it holds at most p - r activations, exactly 1F1B's memory), then one forward and one
+B alternate; the difference is when W runs. Rank r defers its weight gradients by r steps: in
+steady state it runs W of micro-batch k - r after B of micro-batch k, and flushes the last
+r + 1 W's at the end. B's then travel back faster than in 1F1B, and the r extra W's fill the
+tail where rank r would wait for the cascade of the last backwards; every rank's bubble becomes
+(p - 1)(F + B - W) (for m >= p and W <= F, B), against 1F1B's (p - 1)(F + B + W).
+Deferred W's hold only the weight-gradient inputs (M_W < M_B), which `validate` counts
+separately as `peak_w_pending` (r + 1 on rank r).
+
+ZB-V (paper §6 and the repo's V schedule; torch.distributed.pipelining's
+`ScheduleZBVZeroBubble`). The model is cut into 2p chunks placed as a V: rank r holds chunk r
+and chunk 2p-1-r, so a micro-batch goes down the ranks and comes back up, and both the input
+and the loss are on rank 0. With half-sized chunks, rank r's warm-up of 2(p - r) - 1 first-leg
+forwards is followed by r pairs (second-leg F, first-leg F) and p - r rounds of second-leg
+F, B, W; the steady state alternates (F, B, W) on the two legs; the cool-down drains B's, then
+W's. Its peak activation memory equals 1F1B's (2p half-chunks on rank 0) and, with
+F = B = W, its bubble is a small constant that does not grow with m.
+
+Both functions return compute-only schedules; `comm.add_communication` adds the p2p.
+"""
+
+from __future__ import annotations
+
+from hyperloom.pipeline.basic import _standard
+from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError, v_placement
+
+
+def zb_h1(pp: int, m: int) -> Schedule:
+    """1F1B with split backward and rank r's weight gradients deferred by r steps."""
+    if pp < 1 or m < 1:
+        raise ScheduleError(f"ZB-H1 needs pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+    acts = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        seq = [Action.f(r, i) for i in range(warmup)]
+        w_next = 0  # W is a FIFO: the oldest B's weight gradient runs first
+        for k in range(m):
+            if warmup + k < m:
+                seq.append(Action.f(r, warmup + k))
+            seq.append(Action.b(r, k))
+            if k >= r:  # deferral of r steps: these W's fill the tail bubble
+                seq.append(Action.w(r, w_next))
+                w_next += 1
+        seq += [Action.w(r, i) for i in range(w_next, m)]
+        acts.append(seq)
+    return _standard("zb-h1", pp, 1, m, acts)
+
+
+def zb_v(pp: int, m: int) -> Schedule:
+    """ZB-V: two chunks per rank in a V, split backward (see module docstring)."""
+    if pp < 2 or m < 1:
+        raise ScheduleError(f"ZB-V needs pp >= 2 and micro-batches >= 1, got pp={pp}, m={m}")
+    # The steady-state recipe assumes at least 2p - 1 micro-batches to fill the V; fewer are
+    # scheduled as if there were that many, then the absent micro-batches are dropped (the
+    # order of the rest stays valid because dropping work only removes dependencies).
+    n = max(2 * pp - 1, m)
+    acts = []
+    for r in range(pp):
+        s0, s1 = r, 2 * pp - 1 - r  # first and second leg of the V
+        f0 = f1 = b0 = b1 = 0
+        seq: list[Action] = []
+        for _ in range(2 * (pp - r) - 1):  # warm-up: fill the first leg
+            seq.append(Action.f(s0, f0))
+            f0 += 1
+        for _ in range(r):  # the turn of the V reaches this rank: alternate legs
+            seq += [Action.f(s1, f1), Action.f(s0, f0)]
+            f1, f0 = f1 + 1, f0 + 1
+        for _ in range(pp - r):  # first backwards on the second leg, W right away
+            seq += [Action.f(s1, f1), Action.b(s1, b1), Action.w(s1, b1)]
+            f1, b1 = f1 + 1, b1 + 1
+        while f1 < f0 or f0 < n:  # steady state: F B W on each leg in turn
+            if f0 < n:
+                seq.append(Action.f(s0, f0))
+                f0 += 1
+            seq += [Action.b(s0, b0), Action.w(s0, b0)]
+            b0 += 1
+            seq += [Action.f(s1, f1), Action.b(s1, b1), Action.w(s1, b1)]
+            f1, b1 = f1 + 1, b1 + 1
+        w0, w1 = b0, b1
+        for _ in range(r):  # cool-down: B's first (others wait for them), W's after
+            seq += [Action.b(s0, b0), Action.b(s1, b1)]
+            b0, b1 = b0 + 1, b1 + 1
+        for _ in range(pp - r):
+            seq += [Action.b(s0, b0), Action.w(s0, w0)]
+            b0, w0 = b0 + 1, w0 + 1
+        seq += [Action.w(s1, i) for i in range(w1, b1)]
+        seq += [Action.w(s0, i) for i in range(w0, b0)]
+        acts.append([a for a in seq if a.microbatch < m])
+    return Schedule(
+        name="zb-v",
+        pp=pp,
+        n_stages=2 * pp,
+        microbatches=m,
+        placement=v_placement(pp),
+        pipes=(Pipe(tuple(range(2 * pp)), tuple(range(m))),),
+        actions=tuple(tuple(a) for a in acts),
+    )

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from hyperloom.accelerator import AcceleratorError
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
+from hyperloom.pipeline.cli import add_schedule_parser
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
 
@@ -26,9 +27,10 @@ USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
 def _user_errors() -> tuple[type[Exception], ...]:
     # Imported lazily so `hyperloom config show` does not pay for torch-heavy modules.
     from hyperloom.data import DataError
+    from hyperloom.pipeline import ScheduleError
     from hyperloom.train.checkpoint import CheckpointError
 
-    return (*USER_ERRORS, DataError, CheckpointError)
+    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError)
 
 
 def _rank() -> int:
@@ -249,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_model_info)
 
+    add_schedule_parser(sub)
+
     p = sub.add_parser("config", help="configuration")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     q = csub.add_parser("show", help="print the resolved config as TOML")
@@ -292,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except _user_errors() as exc:
         where = f" (rank {_rank()})" if "RANK" in os.environ else ""
-        if _rank() == 0 or not isinstance(exc, ConfigError):  # config errors: said once
-            print(f"hyperloom {args.command}{where}: error: {exc}", file=sys.stderr)
+        print(f"hyperloom {args.command}{where}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -126,3 +126,20 @@ def load_full_optimizer_state(
                 else:
                     entry[k] = _place(v, p, spec)
             opt.state[p] = entry
+
+
+def local_state_bytes(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer moments (step counters
+    excluded): what the layout promises to divide, measured rather than assumed."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(pm.inner.parameters())
+    moments = [v for p in params for v in opt.state.get(p, {}).values() if v.dim() > 0]
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for v in moments),
+    }

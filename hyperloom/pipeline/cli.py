@@ -36,17 +36,26 @@ def add_schedule_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("kind", choices=list(SCHEDULES), help="schedule kind")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel ranks")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--vpp", type=int, default=1,
-                   help="model chunks per rank (interleaved only; V-shapes imply 2)")
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="model chunks per rank (interleaved only; V-shapes imply 2)",
+    )
     p.add_argument("--f", type=float, default=1.0, help="forward time of a rank's share")
     p.add_argument("--b", type=float, default=1.0, help="input-gradient backward time")
     p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time")
     p.add_argument("--comm", type=float, default=0.0, help="latency of one p2p transfer")
-    p.add_argument("--fb-overlap", type=float, default=1.0,
-                   help="an F&B pair takes this times F + its backward (1 = no overlap)")
+    p.add_argument(
+        "--fb-overlap",
+        type=float,
+        default=1.0,
+        help="an F&B pair takes this times F + its backward (1 = no overlap)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the per-rank action lists as JSON")
-    p.add_argument("--compute-only", action="store_true",
-                   help="leave the send/recv actions out of the JSON")
+    p.add_argument(
+        "--compute-only", action="store_true", help="leave the send/recv actions out of the JSON"
+    )
     p.add_argument("--png", metavar="FILE", help="draw the timeline to this PNG")
     p.add_argument("--actions", action="store_true", help="print each rank's compute actions")
     p.set_defaults(func=cmd_schedule)
@@ -65,10 +74,25 @@ def _fmt(x: float) -> str:
 def rank_table(result: SimResult) -> Table:
     """One row per rank plus a total row."""
     sched = result.schedule
-    t = Table(title=f"{sched.name}: pp={sched.pp}, stages={sched.n_stages}, "
-              f"micro-batches={sched.microbatches}")
-    cols = ["rank", "stages", "busy", "bubble", "bubble %", "peak in-flight", "act. mem", "W pending",
-            "F", "B", "W", "BW", "F&B"]
+    t = Table(
+        title=f"{sched.name}: pp={sched.pp}, stages={sched.n_stages}, "
+        f"micro-batches={sched.microbatches}"
+    )
+    cols = [
+        "rank",
+        "stages",
+        "busy",
+        "bubble",
+        "bubble %",
+        "peak in-flight",
+        "act. mem",
+        "W pending",
+        "F",
+        "B",
+        "W",
+        "BW",
+        "F&B",
+    ]
     for c in cols:
         t.add_column(c, justify="left" if c == "stages" else "right")
     tot: dict[str, int] = {}
@@ -77,17 +101,27 @@ def rank_table(result: SimResult) -> Table:
         for k in ("F", "B", "W", "BW", "FB"):
             tot[k] = tot.get(k, 0) + n[k]
         t.add_row(
-            str(r), ",".join(map(str, sched.stages_of(r))), _fmt(result.busy[r]),
-            _fmt(result.bubble[r]), f"{result.bubble_fraction[r]:.1%}",
-            str(result.peak_in_flight[r]), _fmt(result.peak_activation_memory[r]),
+            str(r),
+            ",".join(map(str, sched.stages_of(r))),
+            _fmt(result.busy[r]),
+            _fmt(result.bubble[r]),
+            f"{result.bubble_fraction[r]:.1%}",
+            str(result.peak_in_flight[r]),
+            _fmt(result.peak_activation_memory[r]),
             str(result.peak_w_pending[r]),
             *(str(n[k]) for k in ("F", "B", "W", "BW", "FB")),
         )
     t.add_section()
     t.add_row(
-        "all", "", _fmt(sum(result.busy)), _fmt(sum(result.bubble)),
-        f"{result.total_bubble_fraction:.1%}", str(max(result.peak_in_flight)),
-        _fmt(max(result.peak_activation_memory)), str(max(result.peak_w_pending)), *(str(tot[k]) for k in ("F", "B", "W", "BW", "FB")),
+        "all",
+        "",
+        _fmt(sum(result.busy)),
+        _fmt(sum(result.bubble)),
+        f"{result.total_bubble_fraction:.1%}",
+        str(max(result.peak_in_flight)),
+        _fmt(max(result.peak_activation_memory)),
+        str(max(result.peak_w_pending)),
+        *(str(tot[k]) for k in ("F", "B", "W", "BW", "FB")),
     )
     return t
 

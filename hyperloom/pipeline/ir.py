@@ -153,7 +153,8 @@ class Action:
         k = self.kind
         if k is ActionKind.FB:
             assert self.b_kind is not None
-            return f"F{self.microbatch}@s{self.stage}+{self.b_kind.value}{self.b_microbatch}@s{self.b_stage}"
+            back = f"{self.b_kind.value}{self.b_microbatch}@s{self.b_stage}"
+            return f"F{self.microbatch}@s{self.stage}+{back}"
         if k.is_comm:
             arrow = "->" if k in (ActionKind.SEND_F, ActionKind.SEND_B) else "<-"
             return f"{_COMM_WORDS[k]}{self.microbatch}@s{self.stage}{arrow}r{self.peer}"

@@ -25,12 +25,29 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.legend_handler import HandlerBase  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from hyperloom.pipeline.ir import ActionKind, Schedule  # noqa: E402
 from hyperloom.pipeline.simulate import SimResult  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#A0A0A0", "comm": "#E08E2B"}
+
+
+class _BWKey:
+    """Legend entry for a full backward: drawn like the boxes, green with a grey foot."""
+
+    def get_label(self) -> str:
+        return "BW full backward (grey foot: W share)"
+
+
+class _BWKeyDrawer(HandlerBase):
+    def create_artists(self, legend, orig_handle, xd, yd, width, height, fontsize, trans):
+        body = Rectangle((xd, yd), width, height, facecolor=COLORS["B"], transform=trans)
+        foot = Rectangle(
+            (xd + width / 2, yd), width / 2, height * 0.3, facecolor=COLORS["W"], transform=trans
+        )
+        return [body, foot]
 
 
 def _shade(color: str, chunk: int, n_chunks: int) -> tuple[float, float, float]:
@@ -152,14 +169,7 @@ def plot_timeline(result: SimResult, path: str | Path, title: str | None = None)
     ]
     kinds = {e.action.kind for evs in result.events for e in evs}
     if ActionKind.BW in kinds:
-        handles.append(
-            Patch(
-                facecolor=COLORS["B"],
-                hatch="____",
-                edgecolor=COLORS["W"],
-                label="BW full backward (grey foot: W share)",
-            )
-        )
+        handles.append(_BWKey())
     if ActionKind.FB in kinds:
         handles.append(
             Patch(facecolor="white", edgecolor="black", label="F&B pair: F top, B bottom")
@@ -173,13 +183,15 @@ def plot_timeline(result: SimResult, path: str | Path, title: str | None = None)
     ncol = max(1, min(len(handles), int(width / 2.7)))
     rows = -(-len(handles) // ncol)
     fig.legend(
-        handles=handles,
+        handles,
+        [h.get_label() for h in handles],
         loc="lower center",
         ncol=ncol,
         fontsize=8,
         frameon=False,
         handlelength=1.6,
         bbox_to_anchor=(0.5, 0.0),
+        handler_map={_BWKey: _BWKeyDrawer()},
     )
     shape = {"zb-v": " (V)", "dualpipev": " (V)", "dualpipe": " (2 directions)"}
     vpp = shape.get(sched.name, f" vpp={sched.vpp}" if sched.vpp > 1 else "")

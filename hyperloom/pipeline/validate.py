@@ -102,7 +102,6 @@ class _Replay:
         self.f_end: dict[tuple[int, int], float] = {}  # (stage, mb) -> end time
         self.b_end: dict[tuple[int, int], float] = {}
         self.split_b: set[tuple[int, int]] = set()
-        self.w_done: set[tuple[int, int]] = set()
         self.received: dict[tuple[ActionKind, int, int], float] = {}  # recv kind, stage, mb
         self.channels: dict[tuple[int, int], deque[tuple[Action, float]]] = {}
         n = sched.pp
@@ -214,8 +213,7 @@ class _Replay:
                     self.split_b.add(key)
                     self.w_pending[rank] += 1
                     self.peak_w[rank] = max(self.peak_w[rank], self.w_pending[rank])
-            else:
-                self.w_done.add(key)
+            else:  # W
                 self.w_pending[rank] -= 1
         self.clock[rank] = end
         self.events[rank].append(Event(rank, act, start, end))
@@ -232,12 +230,11 @@ class _Replay:
                     if isinstance(ready, str):
                         break
                     self._apply(r, act, ready)
-                    if bound is not None and self.in_flight[r] > bound[r]:
-                        raise self._err(
-                            r,
-                            act,
-                            f"{self.in_flight[r]} activations in flight, bound is {bound[r]}",
-                        )
+                    # The peak, not the count after the action: an FB pair's forward is
+                    # alive before its backward frees an activation.
+                    if bound is not None and self.peak[r] > bound[r]:
+                        msg = f"{self.peak[r]} activations in flight, bound is {bound[r]}"
+                        raise self._err(r, act, msg)
                     self.pc[r] += 1
                     progress = True
         stuck = [r for r in range(self.s.pp) if self.pc[r] < len(acts[r])]

@@ -90,8 +90,8 @@ class ParallelConfig:
     sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
     zero: int = knob(
         0,
-        "0 = DDP (replicated); 3 = FSDP2 (params, grads, Adam state sharded over dp)",
-        choices=[0, 3],
+        "0 = DDP; 1 = Adam state + master weights sharded over dp; 3 = FSDP2 (all sharded)",
+        choices=[0, 1, 3],
     )
     order: str = knob("pp,dp,cp,tp", "rank order of the mesh, outermost first (tp innermost)")
 

@@ -12,6 +12,8 @@ land.) A model family describes tensor parallelism as data — a plan mapping mo
   weight gradient must be summed over the tensor-parallel group.
 
 Data parallelism then wraps the result:
+- zero = 1: our ZeRO-1 distributed optimizer (`zero1.py`): gradients reduce-scattered once
+  per step, FP32 master weights and Adam moments 1/dp per rank, parameters all-gathered;
 - zero = 0: PyTorch DDP (bucketed all-reduce overlapped with backward, `no_sync` for gradient
   accumulation) — well-kept machinery, nothing to gain by rewriting it;
 - zero = 3: PyTorch FSDP2 (`fully_shard`, per transformer block then the root): parameters,
@@ -31,8 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperloom.config import TrainConfig
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.mesh import ParallelMesh
+from hyperloom.parallel.zero1 import ZeroOneAdamW
+from hyperloom.train.optim import build_optimizer
 
 log = logging.getLogger("hyperloom.parallel")
 
@@ -108,11 +113,26 @@ class ParallelModel:
 
     def sync_context(self, last_micro_batch: bool):
         """Skip the data-parallel gradient reduction on all but the last micro-batch."""
-        if last_micro_batch or self.mesh.size("dp") == 1:
-            return contextlib.nullcontext()
+        if last_micro_batch or self.mesh.size("dp") == 1 or self.zero == 1:
+            return contextlib.nullcontext()  # zero = 1 reduces once, in the optimizer
         if self.zero == 0:
             return self.module.no_sync()
         return _fsdp_no_sync(self.inner)
+
+    def make_optimizer(self, cfg: TrainConfig):
+        """AdamW for this layout: the ZeRO-1 sharded one for zero = 1 with dp > 1."""
+        if self.zero == 1 and self.mesh.size("dp") > 1:
+            return ZeroOneAdamW(self.inner, cfg, self.mesh.group("dp"), self.tp_group)
+        return build_optimizer(self.inner, cfg)
+
+    def reduce_and_clip(self, optimizer, max_norm: float) -> torch.Tensor:
+        """Finish the gradients (sequence-parallel sums, ZeRO-1 reduce-scatter) and clip
+        them to `max_norm` by their global norm, which is returned."""
+        self.finish_grads()
+        if isinstance(optimizer, ZeroOneAdamW):
+            optimizer.reduce_grads()
+            return optimizer.clip_grad_norm(max_norm)
+        return self.clip_grad_norm(max_norm)
 
     def reshard(self) -> None:
         """FSDP keeps the root's parameters gathered after a forward that has no backward
@@ -181,8 +201,9 @@ def _fsdp_no_sync(model: nn.Module):
 
 
 def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, zero: int) -> nn.Module:
-    """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1."""
-    if mesh.size("dp") == 1:
+    """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1 or
+    zero = 1 (whose optimizer does the data-parallel reduction)."""
+    if mesh.size("dp") == 1 or zero == 1:
         return model
     if zero == 0:
         from torch.nn.parallel import DistributedDataParallel

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.parallel.parallelize import ParallelModel
+from hyperloom.parallel.zero1 import ZeroOneAdamW
 
 
 def _gather_tp(t: torch.Tensor, spec, group) -> torch.Tensor:
@@ -86,19 +87,23 @@ def _names(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
     return {id(p): (n, p) for n, p in model.named_parameters()}
 
 
-def full_optimizer_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _per_param_state(opt) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    if isinstance(opt, ZeroOneAdamW):
+        return opt.state_by_param()  # a collective over dp
+    return {p: opt.state.get(p, {}) for group in opt.param_groups for p in group["params"]}
+
+
+def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
     """AdamW state whole and keyed by parameter name (a collective)."""
     by_id = _names(pm.inner)
     out: dict[str, Any] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            name, param = by_id[id(p)]
-            spec = getattr(param, "shard_spec", None)
-            st = opt.state.get(p, {})
-            out[name] = {
-                k: (_full(v, spec, pm.tp_group).cpu() if v.dim() > 0 else _local(v).cpu())
-                for k, v in st.items()
-            }
+    for p, st in _per_param_state(opt).items():
+        name, param = by_id[id(p)]
+        spec = getattr(param, "shard_spec", None)
+        out[name] = {
+            k: (_full(v, spec, pm.tp_group).cpu() if v.dim() > 0 else _local(v).cpu())
+            for k, v in st.items()
+        }
     return {"state": out}
 
 
@@ -107,11 +112,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_full_optimizer_state(
-    pm: ParallelModel, opt: torch.optim.Optimizer, saved: dict[str, Any]
-) -> None:
+def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> None:
     by_id = _names(pm.inner)
     state = saved["state"]
+    if isinstance(opt, ZeroOneAdamW):
+        per_param = {}
+        for p in opt.params:
+            name, param = by_id[id(p)]
+            if name not in state:
+                raise KeyError(f"optimizer state has no entry for {name}")
+            spec = getattr(param, "shard_spec", None)
+            per_param[p] = {
+                k: v if v.dim() == 0 else _place(v, p, spec) for k, v in state[name].items()
+            }
+        opt.load_state_by_param(per_param)
+        return
     for group in opt.param_groups:
         for p in group["params"]:
             name, param = by_id[id(p)]
@@ -137,9 +152,14 @@ def local_state_bytes(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str
         return t.numel() * t.element_size()
 
     params = list(pm.inner.parameters())
-    moments = [v for p in params for v in opt.state.get(p, {}).values() if v.dim() > 0]
+    if isinstance(opt, ZeroOneAdamW):
+        moments, master = [opt.exp_avg, opt.exp_avg_sq], nbytes(opt.master)
+    else:  # the parameters are the FP32 master weights
+        moments = [v for p in params for v in opt.state.get(p, {}).values() if v.dim() > 0]
+        master = sum(nbytes(p) for p in params)
     return {
         "params": sum(nbytes(p) for p in params),
         "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(nbytes(v) for v in moments),
+        "master": master,
     }

@@ -36,7 +36,7 @@ from hyperloom.parallel.state import (
     load_full_optimizer_state,
 )
 from hyperloom.train import checkpoint as ckpt
-from hyperloom.train.optim import build_optimizer, lr_at
+from hyperloom.train.optim import lr_at
 from hyperloom.train.report import Reporter, write_summary
 
 log = logging.getLogger("hyperloom.train")
@@ -67,7 +67,7 @@ class Trainer:
         self.pm = parallelize(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
         self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = self.pm.make_optimizer(t)
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a
         # layout sees exactly the sequences a single process with dp x the batch would.
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
@@ -190,8 +190,7 @@ class Trainer:
                 loss = self.pm.loss(logits, labels) / t.grad_accum
                 loss.backward()
             total += loss.detach()
-        self.pm.finish_grads()
-        grad_norm = self.pm.clip_grad_norm(t.grad_clip)
+        grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

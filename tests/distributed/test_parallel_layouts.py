@@ -37,7 +37,7 @@ def layouts(world: int) -> list[tuple[int, int, bool, int]]:
             continue
         dp = world // tp
         for sp in (False, True) if tp > 1 else (False,):
-            for zero in (0, 3) if dp > 1 else (0,):
+            for zero in (0, 1, 3) if dp > 1 else (0,):
                 out.append((tp, dp, sp, zero))
     return out
 
@@ -117,7 +117,11 @@ def test_checkpoint_moves_between_layouts(reference, tiny_job_args, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (first / "checkpoints" / "step_00000003").is_dir()
     for name, nproc, extra in (
-        ("dp4", 4, {"parallel__dp": 4, "train__micro_batch_size": GLOBAL_BATCH // 4}),
+        (
+            "dp4",
+            4,
+            {"parallel__dp": 4, "parallel__zero": 3, "train__micro_batch_size": GLOBAL_BATCH // 4},
+        ),
         ("single", 1, {"train__micro_batch_size": GLOBAL_BATCH}),
     ):
         resumed = tmp_path / name
@@ -147,10 +151,13 @@ def test_checkpoint_resume_negative_control(reference, tiny_job_args, tmp_path):
     assert [got[4], got[5]] != pytest.approx(shifted, rel=1e-5)
 
 
-@pytest.mark.parametrize("tp,dp,zero", [(2, 1, 0), (1, 2, 0), (1, 2, 3), (2, 2, 3)])
+@pytest.mark.parametrize(
+    "tp,dp,zero", [(2, 1, 0), (1, 2, 0), (1, 2, 1), (2, 2, 1), (1, 2, 3), (2, 2, 3)]
+)
 def test_state_bytes_follow_the_layout(tiny_job_args, tmp_path, tp, dp, zero):
     """Parameters, gradients and Adam moments per rank: tensor-parallel weights are 1/tp;
-    under zero = 3 everything is also 1/dp; under zero = 0 dp replicates."""
+    zero = 1 divides the master weights and moments by dp, zero = 3 everything; under
+    zero = 0 dp replicates."""
     worker = Path(__file__).with_name("state_bytes_worker.py")
     args = tiny_job_args(
         tmp_path,
@@ -183,13 +190,16 @@ def test_state_bytes_follow_the_layout(tiny_job_args, tmp_path, tp, dp, zero):
     sharded = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("norm.weight"))
     replicated = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
     per_rank = sharded / tp + replicated
+    state = per_rank / dp if zero in (1, 3) else per_rank  # master weights, each moment
     if zero == 3:
         per_rank /= dp
     for rank in range(tp * dp):
         stats = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert stats["params"] == pytest.approx(4 * per_rank, abs=4 * dp)  # fp32
         assert stats["grads"] == stats["params"]
-        assert stats["optimizer"] == 2 * stats["params"]  # Adam's two moments
+        # ZeRO-1 pads the flat space to a multiple of dp: at most dp - 1 extra elements.
+        assert stats["master"] == pytest.approx(4 * state, abs=4 * dp)
+        assert stats["optimizer"] == pytest.approx(2 * 4 * state, abs=8 * dp)
 
 
 def test_invalid_layout_fails_once_with_the_arithmetic(tiny_job_args, tmp_path):

@@ -201,7 +201,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(*_split_config_args(args))
+    cfg = load_config(*_split_config_args(args), world_size=args.nproc)
     print(dumps_toml(cfg), end="")
     return 0
 
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     q = csub.add_parser("show", help="print the resolved config as TOML")
     _add_config_args(q)
+    q.add_argument("--nproc", type=int, default=None, help="validate for N processes")
     q.set_defaults(func=cmd_config_show)
     return parser
 

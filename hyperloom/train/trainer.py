@@ -98,14 +98,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _all_rng_states(self) -> list[dict[str, Any]]:
-        mine = ckpt.rng_state(self.acc.rng_state())
-        if self.mesh.world_size == 1:
-            return [mine]
-        everyone: list[Any] = [None] * self.mesh.world_size
-        dist.all_gather_object(everyone, mine)
-        return everyone
-
     def save(self, last_loss: float | None) -> Path:
         """Checkpoint with whole tensors (a collective; the main rank writes)."""
         model_state = full_model_state(self.pm)
@@ -114,7 +106,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "optimizer": full_optimizer_state(self.pm, self.optimizer),
             "loader": self.loader.state_dict(),
-            "rng": self._all_rng_states(),
+            "rng": self._per_rank(ckpt.rng_state(self.acc.rng_state())),
             "layout": self.mesh.describe(),
         }
         path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
@@ -199,6 +191,14 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return total, grad_norm
+
+    def _per_rank(self, value: Any) -> list[Any]:
+        """`value` from every rank, in rank order (a collective)."""
+        if self.mesh.world_size == 1:
+            return [value]
+        everyone: list[Any] = [None] * self.mesh.world_size
+        dist.all_gather_object(everyone, value)
+        return everyone
 
     def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (their losses are over different sequences)."""
@@ -325,6 +325,7 @@ class Trainer:
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
         summary["layout"] = self.mesh.describe()
+        summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
         if main:
             write_summary(self.run_dir, summary)
             if lg.plot:

@@ -20,6 +20,7 @@ from rich.table import Table
 from hyperloom.accelerator import AcceleratorError
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
 from hyperloom.pipeline.cli import add_schedule_parser
+from hyperloom.planner.cli import add_plan_parser
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
 
@@ -28,9 +29,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     # Imported lazily so `hyperloom config show` does not pay for torch-heavy modules.
     from hyperloom.data import DataError
     from hyperloom.pipeline import ScheduleError
+    from hyperloom.planner import PlanError
     from hyperloom.train.checkpoint import CheckpointError
 
-    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError)
+    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError, PlanError)
 
 
 def _rank() -> int:
@@ -252,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_model_info)
 
     add_schedule_parser(sub)
+    add_plan_parser(sub)
 
     p = sub.add_parser("config", help="configuration")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")

@@ -1,0 +1,244 @@
+"""`hyperloom plan calibrate`: measure the machine at hand and save an accelerator profile.
+
+Datasheet peaks and assumed efficiencies (`hardware.py`) are where a plan starts; measured
+numbers are where it should end. This module measures, on the local device (`auto`: the
+first accelerator PyTorch sees, else the CPU):
+
+- GEMM throughput by shape, in the compute dtype, best of several runs over a small time
+  budget (a shared machine mostly measures its neighbours on a single run). The best shape
+  becomes the profile's peak (``gemm_eff`` = 1) and every shape its efficiency relative to
+  it, stored in ``gemm_table``; the planner then looks up the nearest measured shape;
+- device-memory bandwidth, as a large tensor copy (read + write), so ``mem_eff`` = 1;
+- attention: `scaled_dot_product_attention` (causal) forward and forward + backward, as
+  fractions of the GEMM peak on their causal FLOPs;
+- collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
+  processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
+  least squares, giving the scale-up bandwidth B and per-step latency alpha. One machine has
+  no scale-out link to measure, so the profile's NIC figures copy the scale-up ones: state
+  the real NIC with --inter-gbs when planning across machines.
+
+The profile is the same `Accelerator` dataclass as the built-ins, saved as JSON with the raw
+measurements alongside; `--accelerator path.json` uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hyperloom.accelerator import DTYPES
+from hyperloom.accelerator import get_accelerator as get_device
+from hyperloom.planner.hardware import GIB, Accelerator, save_profile
+
+log = logging.getLogger("hyperloom.planner")
+
+
+def _best_time(fn, sync, budget: float = 0.3, min_runs: int = 3) -> float:
+    fn()
+    sync()
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < min_runs or (spent < budget and runs < 100):
+        start = time.perf_counter()
+        fn()
+        sync()
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return best
+
+
+def measure_gemms(acc, dtype: torch.dtype, shapes) -> list[tuple[tuple[int, int, int], float]]:
+    """TFLOP/s per (m, n, k)."""
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=acc.device).to(dtype)
+        b = torch.randn(k, n, device=acc.device).to(dtype)
+        t = _best_time(lambda a=a, b=b: a @ b, acc.synchronize)
+        out.append(((m, n, k), 2.0 * m * n * k / t / 1e12))
+    return out
+
+
+def measure_memory(acc, nbytes: int) -> float:
+    """GB/s of a device-to-device copy (bytes read + bytes written)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=acc.device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _best_time(lambda: dst.copy_(src), acc.synchronize)
+    return 2.0 * nbytes / t / 1e9
+
+
+def measure_attention(acc, dtype: torch.dtype, seq: int, heads: int = 8, dim: int = 64):
+    """(forward, backward) TFLOP/s of causal SDPA on its causal FLOPs."""
+    q, k, v = (
+        torch.randn(1, heads, seq, dim, device=acc.device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flops = 2.0 * heads * seq * seq * dim  # two matmuls, causal half of 4*h*s^2*d
+    tf = _best_time(lambda: sdpa(q, k, v, is_causal=True), acc.synchronize)
+
+    def both():
+        sdpa(q, k, v, is_causal=True).sum().backward()
+
+    tb = max(_best_time(both, acc.synchronize) - tf, 1e-9)
+    return flops / tf / 1e12, 2.5 * flops / tb / 1e12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: str) -> None:
+    import torch.distributed as dist
+
+    acc = get_device(kind, rank if kind != "cpu" else 0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(acc.backend, rank=rank, world_size=world)
+    times = []
+    for n in sizes:
+        x = torch.ones(n // 4, device=acc.device)
+        times.append(_best_time(lambda x=x: dist.all_reduce(x), acc.synchronize, 0.2, 3))
+    t = torch.tensor(times, device=acc.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(",".join(f"{v:.9g}" for v in t.tolist()))
+    dist.destroy_process_group()
+
+
+def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
+    """All-reduce times over `world` local ranks, fitted to the ring model.
+
+    The ranks are fresh interpreters (not multiprocessing children), so measuring works the
+    same whatever script or module started the parent.
+    """
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times")
+        code = (
+            "import sys; from hyperloom.planner.calibrate import _collective_worker; "
+            "_collective_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
+            "sys.argv[4], [int(v) for v in sys.argv[5].split(',')], sys.argv[6])"
+        )
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(rank),
+                    str(world),
+                    str(port),
+                    kind,
+                    ",".join(map(str, sizes)),
+                    out,
+                ]
+            )
+            for rank in range(world)
+        ]
+        codes = [p.wait(timeout=300) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"collective benchmark ranks exited with {codes}")
+        times = [float(v) for v in Path(out).read_text().split(",")]
+    # t = a + c * S with a = 2(n-1) alpha and c = 2(n-1)/n / B, fitted on relative errors
+    # (weights 1/t^2) so the small messages, which carry the latency, count as much.
+    n = world
+    w = [1.0 / t**2 for t in times]
+    sw = sum(w)
+    sx = sum(wi * s for wi, s in zip(w, sizes, strict=True))
+    sy = sum(wi * t for wi, t in zip(w, times, strict=True))
+    sxx = sum(wi * s * s for wi, s in zip(w, sizes, strict=True))
+    sxy = sum(wi * s * t for wi, s, t in zip(w, sizes, times, strict=True))
+    c = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    a = max((sy - c * sx) / sw, 0.0)
+    bus = 2 * (n - 1) / n / c / 1e9 if c > 0 else float("inf")
+    return {
+        "world": n,
+        "sizes": sizes,
+        "seconds": times,
+        "busbw_gbs": bus,
+        "alpha_us": a / (2 * (n - 1)) * 1e6,
+    }
+
+
+def calibrate(
+    device: str = "auto", dtype: str = "bf16", quick: bool = False, collectives: bool = True
+) -> tuple[Accelerator, dict]:
+    """Measure this machine; returns the profile and the raw measurements."""
+    acc = get_device(device)
+    cpu = acc.kind == "cpu"
+    dt = DTYPES[dtype]
+    dims = (256, 512, 1024) if cpu else (1024, 2048, 4096, 8192)
+    if quick:
+        dims = dims[::2]
+    shapes = [(d, d, d) for d in dims] + [
+        (dims[-1], dims[-1], dims[0]),
+        (dims[0], dims[-1], dims[-1]),
+    ]
+    gemms = measure_gemms(acc, dt, shapes)
+    peak = max(t for _, t in gemms)
+    mem = measure_memory(acc, (64 if cpu else 1024) * 2**20)
+    attn_f, attn_b = measure_attention(acc, dt, 512 if cpu else 4096)
+    if cpu:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+        world = 2
+    else:
+        mod = getattr(torch, acc.kind)
+        capacity = mod.get_device_properties(acc.index).total_memory / GIB
+        world = mod.device_count()
+    raw = {
+        "device": acc.describe(),
+        "dtype": dtype,
+        "gemm_tflops": [{"m": s[0], "n": s[1], "k": s[2], "tflops": t} for s, t in gemms],
+        "memory_gbs": mem,
+        "attention_tflops": {"forward": attn_f, "backward": attn_b},
+    }
+    link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
+    if collectives and world > 1:
+        sizes = [2**p for p in (range(12, 25, 4) if quick else range(10, 27, 2))]
+        coll = measure_collectives(acc.kind, world, sizes)
+        raw["all_reduce"] = coll
+        link = {"intra_gbs": coll["busbw_gbs"], "intra_latency_us": coll["alpha_us"]}
+    profile = Accelerator(
+        name=f"calibrated-{acc.kind}",
+        bf16_tflops=peak,
+        fp8_tflops=0.0,
+        hbm_gib=capacity,
+        hbm_gbs=mem,
+        gemm_eff=1.0,
+        attn_fwd_eff=min(1.0, attn_f / peak),
+        attn_bwd_eff=min(1.0, attn_b / peak),
+        mem_eff=1.0,
+        intra_gbs=link["intra_gbs"] or 1.0,
+        intra_eff=1.0,
+        intra_latency_us=link["intra_latency_us"],
+        nic_gbs=link["intra_gbs"] or 1.0,
+        inter_eff=1.0,
+        inter_latency_us=link["intra_latency_us"],
+        gpus_per_node=world,
+        source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
+        gemm_table=tuple((s, t / peak) for s, t in gemms),
+    )
+    return profile, raw
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    profile, raw = calibrate(quick=args.quick)
+    path = save_profile(profile, args.out, raw)
+    Console().print(
+        f"{raw['device']}: GEMM peak {profile.bf16_tflops:.3f} TFLOP/s, memory "
+        f"{profile.hbm_gbs:.1f} GB/s, attention {profile.attn_fwd_eff:.0%}/"
+        f"{profile.attn_bwd_eff:.0%} of peak, all-reduce "
+        f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step -> {path}"
+    )
+    return 0

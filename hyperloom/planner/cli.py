@@ -1,0 +1,290 @@
+"""`hyperloom plan`: predict one layout from a job config, or search the layouts for a model.
+
+    hyperloom plan CONFIG.toml [--section.key value ...] [--schedule K --vpp V --recompute R
+                   --fp8] [--gpus N] [--search]
+    hyperloom plan --model llama3-70b --gpus 1024 --accelerator h100 --global-batch 1024
+                   --seq 8192 [--top 10] [--fix tp=8,pp=4/8] [--json F] [--png-prefix P]
+    hyperloom plan calibrate [--out profile.json] [--quick]
+
+With CONFIG the planner reads the same TOML (and dotted overrides) as `hyperloom train`, takes
+the layout from [parallel], the micro-batch size and count from [train] and the sequence
+length from [data], and predicts that one layout; the schedule kind, chunks per rank,
+recompute policy and FP8 (not job fields yet) come from the flags. The config is read without
+the trainer's "not built yet" checks, so layouts the trainer cannot run yet can be planned.
+With --model it searches (`search.py`); --fix pins dimensions (``/`` separates several
+values). --json writes every plan, --png-prefix writes PREFIX_memory.png,
+PREFIX_timeline.png and (search) PREFIX_top.png. `calibrate` measures this machine
+(`calibrate.py`) and saves a profile that --accelerator accepts.
+
+`add_plan_parser(subparsers)` registers the command; `PlanError` is its user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+from typing import Any
+
+from rich.console import Console
+
+from hyperloom.planner.errors import PlanError
+from hyperloom.planner.hardware import ACCELERATORS, Cluster, get_accelerator
+from hyperloom.planner.strategy import RUNTIMES, Strategy
+
+log = logging.getLogger("hyperloom.planner")
+
+_FIXABLE = {
+    "tp": int,
+    "pp": int,
+    "cp": int,
+    "mbs": int,
+    "zero": int,
+    "vpp": int,
+    "schedule": str,
+    "recompute": str,
+    "fp8": "bool",
+}
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plan` on an argparse sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict step time, memory and MFU of a layout, or search for the best ones",
+        description=__doc__.split("\n\n")[2],
+    )
+    p.add_argument("target", nargs="?", help="job TOML to predict, or 'calibrate'")
+    p.add_argument("--model", help="model preset to search layouts for (e.g. llama3-70b)")
+    p.add_argument("--gpus", type=int, help="number of accelerators")
+    p.add_argument(
+        "--accelerator",
+        default="h100",
+        help=f"{', '.join(ACCELERATORS)} or a calibrated .json profile",
+    )
+    p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8)")
+    p.add_argument("--intra-gbs", type=float, help="scale-up GB/s per GPU per direction")
+    p.add_argument("--inter-gbs", type=float, help="scale-out (NIC) GB/s per GPU")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--seq", type=int, help="sequence length (default: config's, or 4096)")
+    p.add_argument("--top", type=int, default=10, help="plans to keep")
+    p.add_argument("--fix", default="", help="pin dimensions: tp=8,pp=4/8,schedule=1f1b,...")
+    p.add_argument(
+        "--runtime",
+        choices=list(RUNTIMES),
+        default="hyperloom",
+        help="whose storage and overlap behaviour to model",
+    )
+    p.add_argument(
+        "--param-dtype",
+        choices=["fp32", "bf16"],
+        help="bf16 = Megatron's layout (BF16 params, FP32 main grads + master)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        help="achieved fraction of the compute roofline (docs/planner.md fits 0.8)",
+    )
+    p.add_argument("--margin-gib", type=float, default=6.0, help="memory kept free per device")
+    p.add_argument("--schedule", default="1f1b", help="CONFIG mode: pipeline schedule kind")
+    p.add_argument("--vpp", type=int, default=1, help="CONFIG mode: chunks per rank")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help="CONFIG mode: none, selective, full or core_attn,mlp_act,norm",
+    )
+    p.add_argument("--fp8", action="store_true", help="CONFIG mode: FP8 GEMMs")
+    p.add_argument("--search", action="store_true", help="CONFIG mode: search instead")
+    p.add_argument("--json", metavar="FILE", help="write the plans as JSON")
+    p.add_argument("--png-prefix", metavar="PREFIX", help="write memory/timeline/top-k PNGs")
+    p.add_argument("--out", default="hyperloom-profile.json", help="calibrate: output file")
+    p.add_argument("--quick", action="store_true", help="calibrate: fewer shapes and sizes")
+    p.set_defaults(func=cmd_plan, accepts_overrides=True)
+    return p
+
+
+def parse_fix(text: str) -> dict[str, Any]:
+    """'tp=8,pp=4/8,fp8=true' -> {'tp': (8,), 'pp': (4, 8), 'fp8': (True,)}."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _FIXABLE:
+            raise PlanError(f"--fix {item!r}: expected NAME=VALUE with NAME in {sorted(_FIXABLE)}")
+        kind = _FIXABLE[key]
+        vals = []
+        for v in value.split("/"):
+            try:
+                if kind == "bool":
+                    vals.append(v.strip().lower() in ("1", "true", "yes", "on"))
+                else:
+                    vals.append(kind(v.strip()))
+            except ValueError:
+                raise PlanError(f"--fix {key}: {v!r} is not a {kind.__name__}") from None
+        out[key] = tuple(vals)
+    return out
+
+
+def load_job(path: str | None, overrides: list[str]):
+    """The job TOML plus overrides as a `JobConfig`, *without* the trainer's validation."""
+    from hyperloom.config import (
+        ConfigError,
+        JobConfig,
+        build_section,
+        parse_overrides,
+        read_toml,
+    )
+    from hyperloom.models.registry import preset_values
+
+    raw = read_toml(path) if path else {}
+    for section, values in parse_overrides(overrides).items():
+        raw.setdefault(section, {}).update(values)
+    model_raw = dict(raw.get("model", {}))
+    if "preset" in model_raw:
+        try:
+            model_raw = {**preset_values(str(model_raw["preset"])), **model_raw}
+        except KeyError as exc:
+            raise ConfigError(f"model.preset: {exc.args[0]}") from None
+    sections = typing.get_type_hints(JobConfig)
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown sections {unknown}; sections are {', '.join(sections)}")
+    built = {
+        name: build_section(cls, model_raw if name == "model" else raw.get(name, {}), name)
+        for name, cls in sections.items()
+    }
+    return JobConfig(**built)
+
+
+def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
+    acc = get_accelerator(args.accelerator)
+    changes = {}
+    if args.intra_gbs:
+        changes["intra_gbs"] = args.intra_gbs
+    if args.inter_gbs:
+        changes["nic_gbs"] = args.inter_gbs
+    acc = dataclasses.replace(acc, **changes) if changes else acc
+    return Cluster(acc, gpus, args.gpus_per_node or acc.gpus_per_node)
+
+
+def _runtime(args: argparse.Namespace):
+    rt = RUNTIMES[args.runtime]
+    if args.param_dtype:
+        rt = rt.with_param_dtype(args.param_dtype)
+    if args.efficiency:
+        if not 0 < args.efficiency <= 1:
+            raise PlanError(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+        rt = dataclasses.replace(rt, efficiency=args.efficiency)
+    return rt
+
+
+def _console() -> Console:
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=170)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.target == "calibrate":
+        from hyperloom.planner.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args)
+    from hyperloom.models.registry import preset_config
+    from hyperloom.planner import report
+    from hyperloom.planner.model import ModelSpec
+    from hyperloom.planner.search import SearchSpace, search
+    from hyperloom.planner.simulate import predict
+
+    out, rt = _console(), _runtime(args)
+    fixes = parse_fix(args.fix)
+    if args.target:
+        job = load_job(args.target, list(getattr(args, "overrides", []) or []))
+        if job.precision.dtype != "bf16":
+            log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
+        spec = ModelSpec.from_model_config(job.model)
+        par, tr = job.parallel, job.train
+        s = Strategy(
+            tp=par.tp,
+            pp=par.pp,
+            dp=par.dp,
+            cp=par.cp,
+            zero=par.zero,
+            sp=par.sp,
+            order=par.order,
+            mbs=tr.micro_batch_size,
+            microbatches=tr.grad_accum,
+            schedule=args.schedule,
+            vpp=args.vpp,
+            recompute=args.recompute,
+            fp8=args.fp8,
+        )
+        seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
+    else:
+        if not args.model:
+            raise PlanError("give a job CONFIG to predict, or --model PRESET to search")
+        try:
+            spec = ModelSpec.from_model_config(preset_config(args.model), args.model)
+        except KeyError as exc:
+            raise PlanError(str(exc.args[0])) from None
+        if not args.gpus or not args.global_batch:
+            raise PlanError("searching needs --gpus N and --global-batch B (sequences)")
+        s, seq, gpus, gbs = None, args.seq or 4096, args.gpus, args.global_batch
+    cluster = _cluster(args, gpus)
+    query = {
+        "model": spec.name,
+        "gpus": gpus,
+        "accelerator": cluster.accel.name,
+        "gpus_per_node": cluster.gpus_per_node,
+        "global_batch": gbs,
+        "seq": seq,
+        "runtime": rt.name,
+        "param_bytes": rt.param_bytes,
+        "efficiency": rt.efficiency,
+    }
+    stats = None
+    if s is not None and not args.search:
+        plans = [predict(spec, cluster, s, seq, rt, args.margin_gib)]
+        out.print(report.plans_table(plans, f"{spec.name} on {gpus} x {cluster.accel.name}"))
+    else:
+        result = search(
+            spec, cluster, gbs, seq, rt, SearchSpace().fixed(**fixes), args.top, args.margin_gib
+        )
+        plans, stats = result.top, result.summary()
+        out.print(
+            report.plans_table(
+                plans,
+                f"top {len(plans)}: {spec.name} on {gpus} x {cluster.accel.name}, "
+                f"batch {gbs} x {seq}, runtime {rt.name}",
+            )
+        )
+        out.print(
+            f"searched {result.enumerated:,} points in {result.seconds:.2f} s "
+            f"({result.configs_per_s:,.0f}/s): {result.valid:,} valid, "
+            f"{result.rejected.get('over memory', 0):,} over memory, "
+            f"{result.rejected.get('bounded out (time)', 0):,} bounded out, "
+            f"{result.simulated} replayed on the schedule IR"
+        )
+    for table in report.breakdown_table(plans[0]):
+        out.print(table)
+    if rt.efficiency == 1.0:
+        out.print(
+            "times are the profile's roofline (--efficiency 1); Megatron-LM's published H100 "
+            "runs reach about 0.79 of it (docs/planner.md)"
+        )
+    if not plans[0].fits:
+        out.print(
+            f"[bold red]does not fit[/]: reserved {plans[0].reserved_memory / 2**30:.1f} "
+            f"GiB > usable {plans[0].capacity / 2**30:.1f} GiB"
+        )
+    if args.json:
+        out.print(f"wrote {report.write_json(args.json, query, plans, stats)}")
+    if args.png_prefix:
+        pre = args.png_prefix
+        paths = [
+            report.plot_memory(plans[0], f"{pre}_memory.png"),
+            report.plot_timeline(plans[0], f"{pre}_timeline.png"),
+        ]
+        if len(plans) > 1:
+            paths.append(report.plot_top(plans, f"{pre}_top.png"))
+        out.print("wrote " + ", ".join(map(str, paths)))
+    return 0

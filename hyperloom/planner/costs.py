@@ -1,0 +1,305 @@
+"""Seconds: per-layer and per-stage F/B/W times, data-parallel sync and the optimizer step.
+
+Compute is a roofline per op (`hardware.Accelerator`): each GEMM at the BF16 (or FP8) peak
+times its shape's efficiency, or at memory speed if its operands dominate; the attention core
+at the flash-attention efficiency on its causal FLOPs (the unfused 2022 form as two batched
+GEMMs plus softmax traffic); norms, RoPE, activations and residual adds as bytes over the
+achievable HBM bandwidth. The three backward parts follow Zero Bubble's split (Qi et al.
+arXiv 2401.10241): B, the input gradient, costs the dgrad GEMMs, 2.5x the flash forward
+(five score-sized matmuls against two) and twice the elementwise traffic; W, the weight
+gradient, costs the wgrad GEMMs. Schedules without a split run B + W as one BW.
+
+Recomputation adds to B what it re-runs: the whole forward (collectives included) for
+``full``, the attention core, the activation function or the norms for the modules named.
+
+Communication, per layer and micro-batch (`collectives.py` for the link and the formula):
+
+- tensor parallel: two all-reduces of the b*s*h hidden state forward and two backward, or
+  with sequence parallelism two all-gathers plus two reduce-scatters each way, and, where
+  inputs are saved sharded, two more all-gathers for the weight gradient. The runtime hides
+  ``tp_overlap`` of them behind the GEMMs of the same pass: exposed = comm - eta*min(comm,
+  gemm).
+- context parallel: K and V all-gathered forward; gathered again and their gradients
+  reduce-scattered backward, hidden behind the attention core (``cp_overlap``).
+- ZeRO-3: each layer's parameters all-gathered (BF16) forward and backward, per micro-batch,
+  hidden behind that layer's compute (``fsdp_overlap``).
+
+Per step, after each rank's last backward (`dp_sync`): the gradient all-reduce (zero 0) or
+reduce-scatter plus parameter all-gather (zero 1) or the FSDP reduce-scatter (zero 3), minus
+what the runtime overlaps with the last backward / next forward (the last bucket is always
+exposed); then the optimizer, Adam as memory traffic over the rank's (sharded) state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyperloom.planner.collectives import Link, collective_time, group_link, p2p_link, strides
+from hyperloom.planner.hardware import Accelerator, Cluster
+from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
+from hyperloom.planner.strategy import Runtime, Strategy
+
+
+@dataclass(frozen=True)
+class Links:
+    tp: Link
+    cp: Link
+    dp: Link
+    pp: Link
+
+
+def links_for(cluster: Cluster, s: Strategy) -> Links:
+    st = strides(s.order, {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp})
+    return Links(
+        tp=group_link(cluster, s.tp, st["tp"]),
+        cp=group_link(cluster, s.cp, st["cp"]),
+        dp=group_link(cluster, s.dp, st["dp"]),
+        pp=p2p_link(cluster, s.pp, st["pp"]),
+    )
+
+
+@dataclass(frozen=True)
+class Phase:
+    """F/B/W seconds of one micro-batch, with the breakdown of where they come from."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+    compute: float = 0.0  # GEMMs, attention and memory-bound kernels (F + B + W)
+    recompute: float = 0.0
+    tp_comm: float = 0.0  # exposed
+    cp_comm: float = 0.0
+    dp_comm: float = 0.0  # exposed ZeRO-3 gathers
+
+    def __add__(self, o: Phase) -> Phase:
+        return Phase(
+            self.f + o.f,
+            self.b + o.b,
+            self.w + o.w,
+            self.compute + o.compute,
+            self.recompute + o.recompute,
+            self.tp_comm + o.tp_comm,
+            self.cp_comm + o.cp_comm,
+            self.dp_comm + o.dp_comm,
+        )
+
+    def scaled(self, k: float) -> Phase:
+        return Phase(
+            self.f * k,
+            self.b * k,
+            self.w * k,
+            self.compute * k,
+            self.recompute * k,
+            self.tp_comm * k,
+            self.cp_comm * k,
+            self.dp_comm * k,
+        )
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+
+def _exposed(comm: float, compute: float, eta: float) -> float:
+    return comm - eta * min(comm, compute)
+
+
+def layer_phase(
+    layer: Layer,
+    spec: ModelSpec,
+    s: Strategy,
+    acc: Accelerator,
+    links: Links,
+    rt: Runtime,
+) -> Phase:
+    """F/B/W of one layer for one micro-batch (see module docstring)."""
+    fp8 = s.fp8 and acc.supports_fp8
+    gemm = sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in layer.gemms)
+    if fp8:  # quantising each GEMM input: read 2 bytes, write 1
+        gemm += acc.memory_time(3.0 * sum(g.m * g.k for g in layer.gemms))
+    if spec.flash_attention:
+        attn_f = acc.attention_time(layer.attn_flops)
+        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True)
+    else:
+        core = sum(acc.gemm_time(g.m, g.n, g.k, False, g.count) for g in layer.attn_gemms)
+        attn_f = core + acc.memory_time(layer.core_bytes)
+        attn_b = 2 * core + acc.memory_time(1.5 * layer.core_bytes)
+    elem_f = acc.memory_time(layer.elementwise_bytes)
+
+    t, sp = s.tp, s.sp and s.tp > 1
+    buf = layer.tp_buffer
+    if sp:
+        tp_pass = 2 * (
+            collective_time("all_gather", t, buf, links.tp)
+            + collective_time("reduce_scatter", t, buf, links.tp)
+        )
+        regather = 2 * collective_time("all_gather", t, buf, links.tp) if rt.sharded_save else 0
+    else:
+        tp_pass, regather = 2 * collective_time("all_reduce", t, buf, links.tp), 0.0
+    tp_f = _exposed(tp_pass, gemm, rt.tp_overlap)
+    tp_b = _exposed(tp_pass, gemm, rt.tp_overlap)
+    tp_w = _exposed(regather, gemm, rt.tp_overlap)
+    cp_gather = collective_time("all_gather", s.cp, layer.cp_buffer, links.cp)
+    cp_f = _exposed(cp_gather, attn_f, rt.cp_overlap)
+    cp_b = _exposed(2 * cp_gather, attn_b, rt.cp_overlap)
+    dp_f = dp_b = 0.0
+    if s.zero == 3 and s.dp > 1:
+        gather = collective_time("all_gather", s.dp, 2.0 * spec.layer_params() / t, links.dp)
+        dp_f = _exposed(gather, gemm + attn_f, rt.fsdp_overlap)
+        dp_b = _exposed(gather, gemm + attn_b, rt.fsdp_overlap)
+        if not rt.fsdp_unsharded_accumulation:  # gradients reduce-scattered every micro-batch
+            rs = collective_time(
+                "reduce_scatter", s.dp, rt.grad_reduce_bytes * spec.layer_params() / t, links.dp
+            )
+            dp_b += _exposed(rs, gemm, rt.fsdp_overlap)
+
+    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f
+    full, mods = parse_recompute(s.recompute)
+    if full:
+        recompute = f
+    else:
+        recompute = (attn_f if "core_attn" in mods else 0.0) + (
+            acc.memory_time(layer.act_bytes) if "mlp_act" in mods else 0.0
+        )
+        recompute += acc.memory_time(layer.norm_bytes) if "norm" in mods else 0.0
+    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute
+    w = gemm + tp_w
+    return Phase(
+        f=f,
+        b=b,
+        w=w,
+        compute=3 * gemm + attn_f + attn_b + 3 * elem_f,
+        recompute=recompute,
+        tp_comm=tp_f + tp_b + tp_w,
+        cp_comm=cp_f + cp_b,
+        dp_comm=dp_f + dp_b,
+    )
+
+
+def embedding_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, links: Links):
+    """First chunk: vocab-parallel lookup, then the all-reduce (or reduce-scatter) over tp."""
+    tokens = s.mbs * seq / s.cp
+    out = 2.0 * tokens * spec.dim
+    kind = "reduce_scatter" if s.sp and s.tp > 1 else "all_reduce"
+    comm = collective_time(kind, s.tp, out, links.tp)
+    look = acc.memory_time(2 * out)
+    return Phase(
+        f=look + comm,
+        w=acc.memory_time(3 * out),
+        compute=look + acc.memory_time(3 * out),
+        tp_comm=comm,
+    )
+
+
+def head_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, links: Links):
+    """Last chunk: final norm, vocab-parallel head GEMM and cross-entropy over V/tp logits."""
+    tokens = s.mbs * seq / s.cp
+    t = s.tp
+    fp8 = False  # the head stays in BF16 (as in TransformerEngine recipes)
+    gemm = acc.gemm_time(tokens, spec.vocab_size / t, spec.dim, fp8)
+    logits = tokens * spec.vocab_size / t
+    x_sp = tokens * spec.dim / (t if s.sp and t > 1 else 1)
+    # Vocab-parallel cross-entropy in FP32, unfused (ours and Megatron's): cast, max,
+    # subtract, exp, sum = 34 B per logit forward; softmax, one-hot, scale, cast = 22 back.
+    ce_f = acc.memory_time(34.0 * logits + 4.0 * x_sp)
+    ce_b = acc.memory_time(22.0 * logits + 8.0 * x_sp)
+    comm = 0.0
+    if s.sp and t > 1:
+        comm = collective_time("all_gather", t, 2.0 * tokens * spec.dim, links.tp)
+    return Phase(
+        f=gemm + ce_f + comm,
+        b=gemm + ce_b + comm,
+        w=gemm,
+        compute=3 * gemm + ce_f + ce_b,
+        tp_comm=2 * comm,
+    )
+
+
+def assign_layers(n_layers: int, rank_chunks: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Layers per model chunk, given the chunks each rank holds.
+
+    Ranks first: the layers are spread as evenly as possible over the ranks, and when they
+    cannot be even the ranks holding the first or last chunk (the embedding, the head) get
+    fewer. Then each rank's layers are spread over its chunks, again lighter at the ends.
+    Llama 3 405B on 16 stages: 7, 8 x 14, 7. A chunk that two ranks hold (DualPipe's copies)
+    is cut once, evenly, with the ends lighter.
+    """
+    n_chunks = len({c for chunks in rank_chunks for c in chunks})
+    ends = {0, n_chunks - 1}
+    held = [c for chunks in rank_chunks for c in chunks]
+    if len(held) != n_chunks:  # DualPipe: every chunk lives on two ranks
+        q, r = divmod(n_layers, n_chunks)
+        order = sorted(range(n_chunks), key=lambda c: (c in ends, c))
+        return [q + (1 if c in order[:r] else 0) for c in range(n_chunks)]
+    pp = len(rank_chunks)
+    q, r = divmod(n_layers, pp)
+    order = sorted(range(pp), key=lambda k: (len(ends & set(rank_chunks[k])), k))
+    per_rank = [q + (1 if k in order[:r] else 0) for k in range(pp)]
+    counts = [0] * n_chunks
+    for k, chunks in enumerate(rank_chunks):
+        qq, rr = divmod(per_rank[k], len(chunks))
+        extra = sorted(chunks, key=lambda c: (c in ends, c))[:rr]
+        for c in chunks:
+            counts[c] = qq + (1 if c in extra else 0)
+    return counts
+
+
+def chunk_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
+    """Parameters per model chunk on one tp rank (embedding on the first, head on the last)."""
+    out = []
+    for i, n in enumerate(layers):
+        p = n * spec.layer_params()
+        if i == 0:
+            p += spec.embedding_params()
+        if i == len(layers) - 1:
+            p += spec.dim + (spec.embedding_params() if not spec.tie_embeddings or i else 0)
+        out.append(p / tp)
+    return out
+
+
+@dataclass(frozen=True)
+class StepExtras:
+    """Per-step costs after a rank's last backward."""
+
+    dp_total: float  # all data-parallel traffic of the step
+    dp_exposed: float
+    optimizer: float
+
+
+def dp_sync(
+    params: float, f_window: float, b_window: float, s: Strategy, links: Links, rt: Runtime
+) -> tuple[float, float]:
+    """(total, exposed) seconds of the step's data-parallel gradient/parameter traffic for a
+    rank holding `params`; `b_window`/`f_window` are its last backward / first forward."""
+    if s.dp <= 1:
+        return 0.0, 0.0
+    grads = rt.grad_reduce_bytes * params
+    bucket = min(grads, rt.bucket_mb * 2**20)
+    if s.zero == 0:
+        total = collective_time("all_reduce", s.dp, grads, links.dp)
+        last = collective_time("all_reduce", s.dp, bucket, links.dp)
+        return total, max(last, _exposed(total, b_window, rt.ddp_overlap))
+    if s.zero == 1:
+        rs = collective_time("reduce_scatter", s.dp, grads, links.dp)
+        ag = collective_time("all_gather", s.dp, rt.param_gather_bytes * params, links.dp)
+        last = collective_time("reduce_scatter", s.dp, bucket, links.dp)
+        exposed = max(last, _exposed(rs, b_window, rt.zero1_overlap))
+        return rs + ag, exposed + _exposed(ag, f_window, rt.zero1_overlap)
+    if not rt.fsdp_unsharded_accumulation:
+        return 0.0, 0.0  # reduce-scattered per micro-batch inside B (layer_phase)
+    rs = collective_time("reduce_scatter", s.dp, grads, links.dp)
+    last = collective_time("reduce_scatter", s.dp, bucket, links.dp)
+    return rs, max(last, _exposed(rs, b_window, rt.fsdp_overlap))
+
+
+def optimizer_time(params: float, s: Strategy, acc: Accelerator, rt: Runtime) -> float:
+    """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
+    m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),
+    plus the gradient-norm read and zeroing of the full local gradients, and FP8 weight
+    casts."""
+    shard = params / s.dp if s.zero in (1, 3) else params
+    per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
+    nbytes = shard * per + params * 2 * rt.grad_bytes
+    if s.fp8:
+        nbytes += params * (rt.param_bytes + 2)
+    return acc.memory_time(nbytes)

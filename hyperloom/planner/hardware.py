@@ -1,0 +1,261 @@
+"""Accelerator and cluster profiles: the hardware numbers every planner cost is made of.
+
+A profile is data: the datasheet peaks of one accelerator and of the links of the system it
+usually ships in (an 8-GPU node with a scale-up fabric, one scale-out NIC per GPU), and the
+*efficiency factors* that turn a peak into what software reaches. The planner never uses a
+peak alone: a GEMM runs at ``peak * gemm_eff * shape factor``, a memory-bound kernel at
+``hbm * mem_eff``, a collective at ``link * link_eff``. `hyperloom plan calibrate` replaces
+the factors (and the peaks it can measure) with numbers measured on the machine at hand and
+saves the result as JSON, which `load_profile` reads back.
+
+Where the numbers come from (each profile's ``source`` repeats this):
+
+- Peaks, memory and links: the vendors' datasheets (NVIDIA H100/H200/A100 Tensor Core GPU
+  and DGX H100/A100/B200 datasheets; AMD Instinct MI300X datasheet; Moore Threads MTT S4000
+  product page). BF16/FP8 figures are *dense* (the datasheets' headline numbers with 2:4
+  sparsity are halved). Scale-up bandwidth is per GPU and per direction (NVLink 4's
+  "900 GB/s" is bidirectional, so 450 GB/s each way). Memory sizes are what the device
+  reports, in GiB (an "80GB" H100 or A100 shows 80 GiB; "141GB" H200 about 140 GiB).
+- ``gemm_eff``: the measured maximum achievable matmul FLOPS (MAMF, BF16, best shape)
+  divided by the peak, from stas00/ml-engineering's MAMF table (`compute/accelerator`):
+  A100 SXM 267.9/312, H100 SXM 792.1/989, H100/H200 794.5/989, B200 1745/2250, MI300X
+  781.9/1300. S4000 has no public MAMF: 0.6 is a placeholder until calibrated.
+- ``fp8_speedup``: TransformerEngine FP8 GEMMs ran 1.41-1.69x faster than BF16 on H200
+  (REFERENCE.md §2.4); we take the middle, 1.55, for Hopper and Blackwell.
+- ``attn_fwd_eff``/``attn_bwd_eff``: flash attention's share of peak at head dim 128 and long
+  causal sequences. FlashAttention-2 (arXiv 2307.08691) reports 50-73% forward and less
+  backward on A100; FlashAttention-3 (arXiv 2407.08608) 600-740 TFLOP/s forward on H100.
+  0.6 forward / 0.45 backward on NVIDIA parts and 0.4/0.3 elsewhere are our rounded
+  assumptions, not measurements.
+- ``mem_eff`` 0.8 of HBM bandwidth and the link efficiencies (0.8 NVLink, 0.9 InfiniBand)
+  are typical of STREAM-like copies and of nccl-tests bus bandwidth; assumptions again, which
+  is exactly what `calibrate` is for. Latencies are per ring step.
+
+The GEMM shape factor: large GEMMs reach MAMF, small or skinny ones do not (tile and wave
+quantisation, pipeline fill). We model ``eff = gemm_eff * g(min(m, n, k))`` with
+``g(d) = (d / (d + d_half)) / (d_ref / (d_ref + d_half))`` capped at 1 (``d_ref`` = 2048,
+``d_half`` = 128), under a memory roofline. A calibrated profile carries a table of measured
+(m, n, k) -> efficiency and uses the nearest measured shape instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hyperloom.planner.errors import PlanError
+
+GIB = 1024**3
+_D_REF, _D_HALF = 2048.0, 128.0
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator and the links of the node it usually sits in."""
+
+    name: str
+    bf16_tflops: float  # dense peak
+    fp8_tflops: float  # dense peak; 0 = no FP8 tensor cores
+    hbm_gib: float  # usable device memory, GiB
+    hbm_gbs: float  # device memory bandwidth, GB/s
+    gemm_eff: float  # MAMF / peak for large BF16 GEMMs
+    fp8_speedup: float = 1.55  # FP8 GEMM speed over BF16 at equal shape
+    attn_fwd_eff: float = 0.6  # flash attention forward, fraction of BF16 peak
+    attn_bwd_eff: float = 0.45
+    mem_eff: float = 0.8  # fraction of HBM bandwidth memory-bound kernels reach
+    intra_gbs: float = 450.0  # scale-up bandwidth per GPU per direction, GB/s
+    intra_eff: float = 0.8
+    intra_latency_us: float = 1.5
+    nic_gbs: float = 50.0  # scale-out bandwidth per GPU per direction, GB/s
+    inter_eff: float = 0.9
+    inter_latency_us: float = 5.0
+    gpus_per_node: int = 8
+    source: str = ""
+    # Calibrated GEMM efficiencies: ((m, n, k), eff) pairs, nearest shape wins.
+    gemm_table: tuple[tuple[tuple[int, int, int], float], ...] = field(default=())
+
+    @property
+    def supports_fp8(self) -> bool:
+        return self.fp8_tflops > 0
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of the BF16 peak a GEMM of this shape reaches (before the roofline)."""
+        if self.gemm_table:
+            key = (math.log(max(m, 1)), math.log(max(n, 1)), math.log(max(k, 1)))
+            best = min(
+                self.gemm_table,
+                key=lambda e: sum((math.log(a) - b) ** 2 for a, b in zip(e[0], key, strict=True)),
+            )
+            return best[1]
+        d = max(min(m, n, k), 1.0)
+        g = (d / (d + _D_HALF)) / (_D_REF / (_D_REF + _D_HALF))
+        return self.gemm_eff * min(1.0, g)
+
+    def gemm_time(self, m: float, n: float, k: float, fp8: bool = False, count: float = 1) -> float:
+        """Seconds for `count` GEMMs (m x k) @ (k x n): roofline of FLOPs and operand bytes."""
+        flops = 2.0 * m * n * k * count
+        rate = self.bf16_tflops * 1e12 * self.gemm_efficiency(m, n, k)
+        if fp8 and self.supports_fp8:
+            rate *= self.fp8_speedup
+        width = 1 if fp8 and self.supports_fp8 else 2
+        moved = (width * (m * k + k * n) + 2 * m * n) * count
+        return max(flops / rate, self.memory_time(moved))
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` through device memory at the achievable bandwidth."""
+        return nbytes / (self.hbm_gbs * 1e9 * self.mem_eff)
+
+    def attention_time(self, flops: float, backward: bool = False) -> float:
+        eff = self.attn_bwd_eff if backward else self.attn_fwd_eff
+        return flops / (self.bf16_tflops * 1e12 * eff)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["gemm_table"] = [{"m": s[0], "n": s[1], "k": s[2], "eff": e} for s, e in self.gemm_table]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Accelerator:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(f"profile has unknown keys {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        table = d.pop("gemm_table", []) or []
+        try:
+            rows = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["eff"])) for r in table)
+            return cls(**d, gemm_table=rows)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise PlanError(f"bad accelerator profile: {exc}") from None
+
+
+_NV_SOURCE = "NVIDIA datasheet; gemm_eff from stas00/ml-engineering MAMF; see hardware.py"
+
+ACCELERATORS: dict[str, Accelerator] = {
+    # H100 SXM5 80GB: 989.4 BF16 / 1978.9 FP8 dense, HBM3 3.35 TB/s, NVLink4 900 GB/s
+    # bidirectional, DGX H100 8x ConnectX-7 400 Gb/s (one per GPU).
+    "h100": Accelerator("h100", 989.4, 1978.9, 80.0, 3350, 792.1 / 989.4, source=_NV_SOURCE),
+    # H200 SXM 141GB: H100 compute, HBM3e 4.8 TB/s.
+    "h200": Accelerator("h200", 989.4, 1978.9, 140.0, 4800, 794.5 / 989.4, source=_NV_SOURCE),
+    # A100 SXM4 80GB: 312 BF16, no FP8, HBM2e 2.039 TB/s, NVLink3 600 GB/s bidirectional,
+    # DGX A100 8x ConnectX-6 HDR 200 Gb/s.
+    "a100": Accelerator(
+        "a100",
+        312.0,
+        0.0,
+        80.0,
+        2039,
+        267.9 / 312.0,
+        intra_gbs=300.0,
+        nic_gbs=25.0,
+        source=_NV_SOURCE,
+    ),
+    # B200 (DGX B200): 2.25 PF BF16 / 4.5 PF FP8 dense, 180 GB HBM3e at 8 TB/s, NVLink5
+    # 1.8 TB/s bidirectional, 8x ConnectX-7 400 Gb/s.
+    "b200": Accelerator(
+        "b200",
+        2250.0,
+        4500.0,
+        179.0,
+        8000,
+        1745.0 / 2250.0,
+        intra_gbs=900.0,
+        source=_NV_SOURCE,
+    ),
+    # MI300X: 1307.4 BF16 / 2614.9 FP8 dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric
+    # links of 64 GB/s each way (448 GB/s), platform NICs 400 Gb/s per GPU.
+    "mi300x": Accelerator(
+        "mi300x",
+        1307.4,
+        2614.9,
+        192.0,
+        5300,
+        781.9 / 1300.0,
+        attn_fwd_eff=0.4,
+        attn_bwd_eff=0.3,
+        intra_gbs=448.0,
+        intra_eff=0.7,
+        source="AMD MI300X datasheet; MAMF from stas00/ml-engineering; link effs assumed",
+    ),
+    # MTT S4000: 100 TFLOPS BF16 (FP8 not listed), 48 GB GDDR6 at 768 GB/s, MTLink 240 GB/s
+    # (taken as bidirectional). One 200 Gb/s RoCE NIC per GPU and every efficiency assumed.
+    "mtt-s4000": Accelerator(
+        "mtt-s4000",
+        100.0,
+        0.0,
+        48.0,
+        768,
+        0.6,
+        attn_fwd_eff=0.4,
+        attn_bwd_eff=0.3,
+        intra_gbs=120.0,
+        intra_eff=0.7,
+        nic_gbs=25.0,
+        source="Moore Threads S4000 product page; efficiencies are placeholders",
+    ),
+}
+
+
+def get_accelerator(name_or_path: str) -> Accelerator:
+    """A built-in profile by name, or a saved profile (JSON from `plan calibrate`)."""
+    key = name_or_path.lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    if key.endswith(".json"):
+        return load_profile(name_or_path)
+    raise PlanError(
+        f"unknown accelerator {name_or_path!r}; built in: {', '.join(ACCELERATORS)} "
+        f"(or a .json profile written by `hyperloom plan calibrate`)"
+    )
+
+
+def save_profile(acc: Accelerator, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write `acc` as JSON (plus `extra` measurements under "measurements")."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    body = {"accelerator": acc.to_dict(), "measurements": extra or {}}
+    p.write_text(json.dumps(body, indent=2) + "\n")
+    return p
+
+
+def load_profile(path: str | Path) -> Accelerator:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"accelerator profile '{p}' does not exist")
+    try:
+        body = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"accelerator profile '{p}' is not JSON: {exc}") from None
+    return Accelerator.from_dict(body.get("accelerator", body))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`gpus` accelerators of one kind, `gpus_per_node` of them behind one scale-up fabric."""
+
+    accel: Accelerator
+    gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise PlanError(f"need gpus >= 1 and gpus per node >= 1, got {self}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise PlanError(
+                f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes: "
+                f"{self.gpus} / {self.gpus_per_node} = {self.gpus / self.gpus_per_node:.4g}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @classmethod
+    def of(cls, accel: str | Accelerator, gpus: int, gpus_per_node: int | None = None) -> Cluster:
+        acc = get_accelerator(accel) if isinstance(accel, str) else accel
+        return cls(acc, gpus, gpus_per_node or acc.gpus_per_node)

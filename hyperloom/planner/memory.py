@@ -1,0 +1,189 @@
+"""Bytes per rank: model states, activations in flight, buffers, allocator headroom.
+
+Model states (Rajbhandari et al. arXiv 1910.02054; REFERENCE.md §4.3). With p bytes per
+parameter as stored, g per gradient and o for the optimizer (Adam's two FP32 moments, 8, plus
+a 4-byte FP32 master when the parameter itself is not that master):
+
+    zero 0:  P * (p + g + o)        zero 1:  P * (p + g) + P * o / dp
+    zero 3:  P * (p + g + o) / dp   (FSDP2 under no_sync keeps P * g unsharded)
+
+where P is the parameters a rank holds: its chunks' layers over tp plus the embedding (first
+chunk) and head (last chunk) shares. hyperloom stores FP32 params (p = 4, master = the
+param; ZeRO-1 keeps its own FP32 master slice), so 16, 8 + 12/dp and 16/dp B/param;
+Megatron's BF16 params with FP32 main grads give 18, 6 + 12/dp and 18/dp.
+
+Activations (Korthikanti et al. arXiv 2205.05198; `model.build_layer` lists the tensors):
+one chunk of n layers for one micro-batch keeps n x (the layer's saved bytes under the
+recompute policy) plus its chunk extras (the head's input and FP32 logits on the last chunk).
+How many such units a rank holds at its peak is *read from the schedule*: the replay in
+`pipeline.validate` counts, per rank, the (stage, micro-batch) pairs whose forward has run and
+whose backward has not (1F1B's rank 0 holds p; interleaving adds (p-1)/v chunks;
+Zero Bubble's deferred W keeps only the weight-gradient inputs of `peak_w_pending` units).
+So the (p - 1)/(pv) interleaving factor and the m/p correction for m < p come out of the
+schedule rather than out of a formula.
+
+On top: the transient working set of one backward (a recomputed layer, or the last chunk's
+logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weight copies (one
+byte per weight, row- and column-wise), DDP's bucket copy of the gradients, FSDP's gathered
+layers. The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``), and a plan must
+leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and NCCL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
+from hyperloom.planner.strategy import Runtime, Strategy
+
+ALLOC_FACTOR = 0.94
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's peak memory, bytes, by component."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # in-flight saved tensors (incl. Zero Bubble's W-pending)
+    transient: float = 0.0  # one backward's working set
+    buffers: float = 0.0  # autocast/FP8 weight copies, DDP buckets, FSDP gathers
+    step_peak: float = 0.0  # states + optimizer-step temporaries (activations freed)
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        run = self.states + self.activations + self.transient + self.buffers
+        return max(run, self.step_peak)
+
+    @property
+    def reserved(self) -> float:
+        return self.peak / ALLOC_FACTOR
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d.update(states=self.states, peak=self.peak, reserved=self.reserved)
+        return d
+
+
+def saved_bytes(layer: Layer, recompute: str, fp8: bool = False) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch, under `recompute`."""
+    full, mods = parse_recompute(recompute)
+    total = 0.0
+    for t in layer.saved:
+        if full and t.module != "input":
+            continue
+        if t.module in mods:
+            continue
+        total += t.nbytes / 2 if (fp8 and t.gemm_input) else t.nbytes
+    return total
+
+
+def w_pending_bytes(layer: Layer, fp8: bool = False) -> float:
+    """What a unit waiting for its deferred W keeps: GEMM inputs and output gradients."""
+    inputs = sum(t.nbytes for t in layer.saved if t.gemm_input)
+    return (inputs / 2 if fp8 else inputs) + layer.grad_out_bytes
+
+
+def states(params: float, s: Strategy, rt: Runtime) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes for `params` parameters on one rank."""
+    dp = s.dp
+    master = 4 if (rt.param_bytes != 4 or (s.zero == 1 and rt.zero1_separate_master)) else 0
+    opt = (8 + master) * params
+    p, g = rt.param_bytes * params, rt.grad_bytes * params
+    if s.zero == 0:
+        return p, g, opt
+    if s.zero == 1:
+        return p, g, opt / dp
+    grads = g if (rt.fsdp_unsharded_accumulation and s.microbatches > 1) else g / dp
+    return p / dp, grads, opt / dp
+
+
+def chunk_activation_extras(spec: ModelSpec, s: Strategy, seq: int, first: bool, last: bool):
+    """Saved bytes of a chunk beyond its layers: the head's input and FP32 logits (last),
+    the embedding dropout mask (first, GPT-style models)."""
+    tokens = s.mbs * seq / s.cp
+    sp = s.sp and s.tp > 1
+    x_sp = tokens * spec.dim / (s.tp if sp else 1)
+    out = 0.0
+    if first and spec.dropout:
+        out += x_sp
+    if last:
+        out += 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
+    return out
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """A layer's memory figures under one recompute policy (computed once per strategy)."""
+
+    saved: float  # per micro-batch, kept for the backward
+    w_pending: float  # kept while waiting for a deferred W
+    working: float  # one backward's working set: recomputed tensors + gradient buffers
+
+    @classmethod
+    def of(cls, layer: Layer, recompute: str, fp8: bool) -> LayerMemory:
+        saved = saved_bytes(layer, recompute, fp8)
+        biggest = max(t.nbytes for t in layer.saved)
+        working = saved_bytes(layer, "none", fp8) - saved + 2 * biggest
+        return cls(saved, w_pending_bytes(layer, fp8), working)
+
+
+def rank_memory(
+    spec: ModelSpec,
+    s: Strategy,
+    rt: Runtime,
+    seq: int,
+    lm: LayerMemory,
+    chunks: tuple[int, ...],
+    layers: list[int],
+    chunk_params: list[float],
+    in_flight: int,
+    w_pending: int,
+) -> Memory:
+    """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
+    schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank."""
+    last = len(layers) - 1
+    params = sum(chunk_params[c] for c in chunks)
+    p, g, o = states(params, s, rt)
+    unit = max(
+        layers[c] * lm.saved + chunk_activation_extras(spec, s, seq, c == 0, c == last)
+        for c in chunks
+    )
+    n_layers = sum(layers[c] for c in chunks)
+    activations = in_flight * unit + w_pending * max(layers[c] for c in chunks) * lm.w_pending
+
+    # One backward's working set: a recomputed layer plus gradient buffers; on the last
+    # chunk the cross-entropy's BF16 logits and FP32 temporaries (its saved FP32 exp is in
+    # the chunk extras).
+    transient = lm.working
+    if last in chunks:
+        logits = s.mbs * seq / s.cp * spec.vocab_size / s.tp
+        transient = max(transient, 10.0 * logits)
+
+    layer_params = spec.layer_params() / s.tp
+    buffers = 0.0
+    if rt.autocast_weight_copy:
+        buffers += 2.0 * params
+    if s.fp8:
+        buffers += 2.0 * n_layers * spec.layer_matmul_params() / s.tp
+    if s.zero == 0 and s.dp > 1 and rt.ddp_bucket_copy:
+        buffers += rt.grad_bytes * params
+    if s.zero == 3 and s.dp > 1:
+        buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
+    step_peak = p + g + o
+    if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master:
+        step_peak += rt.grad_bytes * params  # the flat gradient copy reduce-scattered
+    return Memory(
+        params=p,
+        grads=g,
+        optimizer=o,
+        activations=activations,
+        transient=transient,
+        buffers=buffers,
+        step_peak=step_peak,
+    )

@@ -1,0 +1,294 @@
+"""Published data points the planner is validated against, and the comparison itself.
+
+Three sources, each reproduced here as data with what we had to assume stated beside it:
+
+1. Megatron-LM's H100 weak-scaling table (NVIDIA/Megatron-LM README, `images/model_table.png`):
+   GPT models of 1.7B-462B parameters, vocabulary 131,072, sequence 4096, the README's
+   attention heads / hidden size / layers / TP / PP / DP / batch per row, and the measured
+   TFLOP/s per GPU (MFU against 989 TFLOP/s). GPT layers are LayerNorm + GeLU MLP of 4h with
+   biases and untied embeddings (the parameter counts confirm it: 24 x 12 x 2048^2 + 2 x
+   131072 x 2048 = 1.75B). Assumed: micro-batch 1, plain 1F1B (no interleaving), no
+   recomputation, sequence parallelism whenever tp > 1, the distributed optimizer
+   (`--overlap-grad-reduce --overlap-param-gather` per the README), TransformerEngine flash
+   attention, no dropout.
+2. Korthikanti et al. 2022 (arXiv 2205.05198), A100 80GB (Selene: 8 GPUs and 8 HDR NICs per
+   node), GPT with vocabulary 51,200, sequence 2048, TP 8: Table 5 iteration times for full
+   recomputation (without sequence parallelism) and for sequence parallelism + selective
+   recomputation; Figure 1 memory per GPU. Shapes from their Table 3. Assumed: micro-batch 4
+   for 22B (its global batch is 4, and Figure 1's activation bars equal 34sbh/t x L only for
+   b = 4), micro-batch 1 elsewhere; the interleaved schedule with 3 chunks per rank for 175B
+   and 530B (Figure 1's bars equal the formula times 1 + (p-1)/(pv) only for v = 3) and plain
+   1F1B for 1T; dropout on, no flash attention, no communication overlap (2022).
+3. Llama 3 405B (arXiv 2407.21783 Table 4): 126 layers, h 16384, FFN 53248, 128 heads / 8 KV
+   heads, vocabulary 128,256, 16M tokens per batch, on H100 at TP/CP/PP/DP of 8/1/16/64 (seq
+   8192, 43% MFU), 8/1/16/128 (41%) and 8/16/16/8 (seq 131072, 38%). Assumed: micro-batch 1,
+   interleaved 1F1B with 2 chunks per rank (the paper uses an interleaved schedule and
+   removes a layer from the first and the last stage), ZeRO-1 with Megatron-style overlap,
+   and the lightest recomputation that fits in 80 GB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from hyperloom.planner.hardware import GIB, Cluster
+from hyperloom.planner.memory import Memory
+from hyperloom.planner.model import ModelSpec
+from hyperloom.planner.simulate import Plan, memory_per_rank, predict, prepare
+from hyperloom.planner.strategy import RUNTIMES, Strategy
+
+
+def gpt(name: str, heads: int, hidden: int, layers: int, vocab: int, **kw) -> ModelSpec:
+    return ModelSpec(
+        name,
+        layers,
+        hidden,
+        heads,
+        heads,
+        4 * hidden,
+        vocab,
+        gated_mlp=False,
+        norm="layer",
+        bias=True,
+        family="gpt",
+        **kw,
+    )
+
+
+# name, heads, hidden, layers, tp, pp, dp, global batch, published TFLOP/s per GPU
+MEGATRON_H100 = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    ("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 48, 192, 489.1),
+    ("32B", 56, 7168, 48, 8, 1, 48, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 48, 384, 419.7),
+    ("119B", 80, 10240, 92, 8, 4, 48, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 48, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 48, 3072, 459.9),
+]
+
+# name, heads, hidden, layers, pp, gpus, global batch, mbs, vpp,
+# time full-recompute, time sp+selective (s), memory states | acts none -> sp+selective (GiB)
+KORTHIKANTI_A100 = [
+    ("22B", 64, 6144, 48, 1, 8, 4, 4, 1, 1.42, 1.10, 45.56, 59.25, 9.56),
+    ("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75, 45.56, 66.84, 12.35),
+    ("530B", 128, 20480, 105, 35, 280, 280, 1, 3, 49.05, 37.83, 31.64, 114.0, 23.08),
+    ("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 94.42, 71.49, 32.96, 131.25, 26.56),
+]
+
+# gpus, tp, cp, pp, dp, seq, published MFU
+LLAMA3_405B = [
+    (8192, 8, 1, 16, 64, 8192, 0.43),
+    (16384, 8, 1, 16, 128, 8192, 0.41),
+    (16384, 8, 16, 16, 8, 131072, 0.38),
+]
+LLAMA3_405B_SPEC = ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256)
+LLAMA3_TOKENS_PER_BATCH = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    """One predicted-vs-published comparison."""
+
+    source: str
+    case: str
+    quantity: str
+    published: float
+    predicted: float
+    note: str = ""
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction, (predicted - published) / published."""
+        return (self.predicted - self.published) / self.published
+
+
+def megatron_h100(
+    runtime_overrides: dict | None = None, fast: bool = False
+) -> list[tuple[Row, Plan]]:
+    rt = replace(RUNTIMES["megatron"], **(runtime_overrides or {}))
+    out = []
+    for name, heads, hidden, layers, tp, pp, dp, gbs, tflops in MEGATRON_H100:
+        spec = gpt(f"gpt-{name}", heads, hidden, layers, 131072)
+        s = Strategy(tp=tp, pp=pp, dp=dp, zero=1, mbs=1, microbatches=gbs // dp)
+        plan = predict(spec, Cluster.of("h100", tp * pp * dp), s, 4096, rt, fast=fast)
+        pub = tflops / 989.4
+        out.append((Row("Megatron-LM H100", name, "MFU", pub, plan.mfu, s.label()), plan))
+    return out
+
+
+def korthikanti_a100(
+    fast: bool = False, models: tuple[str, ...] | None = None
+) -> list[tuple[Row, Plan | Memory]]:
+    """Iteration time (both recompute modes) and Figure 1 memory, per model (all, or
+    `models`). The no-recompute layout is sized, not timed (the paper does not time it)."""
+    rt = replace(RUNTIMES["megatron"], tp_overlap=0.0, zero1_overlap=0.0)
+    out: list[tuple[Row, Plan | Memory]] = []
+    for row in KORTHIKANTI_A100:
+        name, heads, hidden, layers, pp, gpus, gbs, mbs, vpp = row[:9]
+        if models is not None and name not in models:
+            continue
+        t_full, t_sel, states, act_none, act_sel = row[9:]
+        spec = gpt(
+            f"gpt-{name}",
+            heads,
+            hidden,
+            layers,
+            51200,
+            dropout=True,
+            flash_attention=False,
+            tie_embeddings=True,
+        )
+        cl = Cluster.of("a100", gpus)
+        kind = "interleaved" if vpp > 1 else "1f1b"
+        base = Strategy(tp=8, pp=pp, dp=1, mbs=mbs, microbatches=gbs // mbs, schedule=kind, vpp=vpp)
+        full = predict(spec, cl, replace(base, sp=False, recompute="full"), 2048, rt, fast=fast)
+        sel = predict(spec, cl, replace(base, sp=True, recompute="core_attn"), 2048, rt, fast=fast)
+        none_s = replace(base, sp=False, recompute="none")
+        m_none = memory_per_rank(spec, none_s, 2048, rt, prepare(spec, cl, none_s, 2048, rt))[0]
+        src = "Korthikanti 2022 A100"
+        out.append((Row(src, name, "time full recompute (s)", t_full, full.step_time), full))
+        out.append((Row(src, name, "time SP+selective (s)", t_sel, sel.step_time), sel))
+        m_sel = sel.memory[0]
+        out.append(
+            (
+                Row(
+                    src,
+                    name,
+                    "params+optimizer (GiB)",
+                    states,
+                    m_sel.states / GIB,
+                    "stage 0, embedding included",
+                ),
+                sel,
+            )
+        )
+        out.append(
+            (
+                Row(
+                    src,
+                    name,
+                    "activations, none (GiB)",
+                    act_none,
+                    m_none.activations / GIB,
+                    "TP without SP",
+                ),
+                m_none,
+            )
+        )
+        out.append(
+            (
+                Row(src, name, "activations, SP+selective (GiB)", act_sel, m_sel.activations / GIB),
+                sel,
+            )
+        )
+    return out
+
+
+def llama3_405b(
+    runtime_overrides: dict | None = None,
+    fast: bool = False,
+    policies: tuple[str, ...] = ("none", "selective", "core_attn,mlp_act,norm", "full"),
+) -> list[tuple[Row, Plan]]:
+    """The three Table 4 rows under one recompute policy: the first of `policies` that fits
+    all three in 80 GB (Table 4 does not give it; pass ("none",) to ignore memory)."""
+    rt = replace(RUNTIMES["megatron"], **(runtime_overrides or {}))
+    plans: list[Plan] = []
+    for rc in policies:
+        plans = []
+        for gpus, tp, cp, pp, dp, seq, _ in LLAMA3_405B:
+            seqs = LLAMA3_TOKENS_PER_BATCH // seq
+            s = Strategy(
+                tp=tp,
+                cp=cp,
+                pp=pp,
+                dp=dp,
+                zero=1,
+                mbs=1,
+                microbatches=seqs // dp,
+                schedule="interleaved",
+                vpp=2,
+                recompute=rc,
+            )
+            plans.append(predict(LLAMA3_405B_SPEC, Cluster.of("h100", gpus), s, seq, rt, fast=fast))
+        if all(p.fits for p in plans):
+            break
+    out = []
+    for (gpus, tp, cp, pp, dp, seq, mfu), plan in zip(LLAMA3_405B, plans, strict=True):
+        case = f"{gpus} GPUs {tp}/{cp}/{pp}/{dp} seq {seq}"
+        note = plan.strategy.label() + ("" if plan.fits else " (does not fit)")
+        out.append((Row("Llama 3 405B", case, "MFU", mfu, plan.mfu, note), plan))
+    return out
+
+
+# Rows the efficiency factor is fitted on; the others are held out.
+FIT_ROWS = ("1.7B", "16B", "70B", "177B", "462B")
+
+
+def fit_efficiency(
+    rows: tuple[str, ...] = FIT_ROWS, lo: float = 0.5, hi: float = 1.0, fast: bool = False
+) -> float:
+    """The `Runtime.efficiency` that minimises the squared log error of the predicted MFU on
+    the Megatron H100 `rows` (golden-section search; the error is unimodal in it)."""
+
+    def loss(eff: float) -> float:
+        pairs = megatron_h100({"efficiency": eff}, fast=fast)
+        return sum(math.log(r.predicted / r.published) ** 2 for r, _ in pairs if r.case in rows)
+
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    for _ in range(25):
+        if loss(c) < loss(d):
+            b = d
+        else:
+            a = c
+        c, d = b - g * (b - a), a + g * (b - a)
+    return round((a + b) / 2, 3)
+
+
+def _table(rows: list[Row], extra: str = "") -> str:
+    head = (
+        f"| case | quantity | published | predicted | error |{' ' + extra + ' |' if extra else ''}"
+    )
+    sep = "|---|---|---:|---:|---:|" + ("---|" if extra else "")
+    lines = [head, sep]
+    for r in rows:
+        tail = f" {r.note} |" if extra else ""
+        lines.append(
+            f"| {r.case} | {r.quantity} | {r.published:.4g} | {r.predicted:.4g} | "
+            f"{r.error:+.1%} |{tail}"
+        )
+    errs = [abs(r.error) for r in rows]
+    lines.append(f"\nmean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}")
+    return "\n".join(lines)
+
+
+def report_markdown() -> str:
+    """The validation tables of docs/planner.md, recomputed."""
+    out = []
+    prior = megatron_h100()
+    eff = fit_efficiency()
+    fitted = megatron_h100({"efficiency": eff})
+    out.append("### Megatron-LM H100, a priori (efficiency 1)\n")
+    out.append(_table([r for r, _ in prior], "layout"))
+    out.append(f"\n### Megatron-LM H100, efficiency {eff} fitted on {', '.join(FIT_ROWS)}\n")
+    held = [r for r, _ in fitted if r.case not in FIT_ROWS]
+    out.append(_table([r for r, _ in fitted if r.case in FIT_ROWS]))
+    out.append("\nheld out:\n")
+    out.append(_table(held))
+    out.append("\n### Korthikanti et al. 2022, A100, a priori\n")
+    out.append(_table([r for r, _ in korthikanti_a100()], "note"))
+    out.append("\n### Llama 3 405B, H100, a priori\n")
+    out.append(_table([r for r, _ in llama3_405b()], "plan"))
+    out.append("\n### Llama 3 405B, H100, a priori, no recomputation (memory ignored)\n")
+    out.append(_table([r for r, _ in llama3_405b(policies=("none",))], "plan"))
+    out.append(f"\n### Llama 3 405B, H100, with the efficiency {eff} fitted on Megatron\n")
+    out.append(_table([r for r, _ in llama3_405b({"efficiency": eff})], "plan"))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m hyperloom.planner.published
+    print(report_markdown())

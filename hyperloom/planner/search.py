@@ -1,0 +1,244 @@
+"""Search the parallel strategy space for the fastest layouts that fit in memory.
+
+The space is the product of tp, cp, pp (dp is what the GPU count leaves), micro-batch size
+(the micro-batch count follows from the global batch), ZeRO mode, schedule kind (with vpp
+for interleaving), recompute policy and FP8. Every point goes through three filters, cheapest
+first, and the counts of what each one removed are reported:
+
+1. validity (`strategy.check`): divisibility (tp into heads, KV heads, FFN and vocabulary;
+   2*cp*tp into the sequence; dp into the global batch), schedule constraints (interleaving
+   needs m % pp == 0, DualPipe an even pp ...), chunks <= layers;
+2. memory: the per-rank model states, buffers and in-flight activations of `memory.py` with
+   the schedule's own peak in-flight counts, over the device capacity minus the margin;
+3. branch and bound on time: each survivor gets a lower bound (its busiest rank's compute
+   with no bubble and no data-parallel exposure); they are replayed on the schedule IR in
+   order of that bound (the fast, extrapolated replay of `simulate.predict`), and the search
+   stops as soon as the next bound cannot beat the k-th best step time found.
+
+The top-k are then replayed exactly (full micro-batch count, with the p2p actions the
+executor runs) and ranked by step time. Everything that does not depend on the schedule
+(a layer's costs, links) is cached across points, and the schedule structures (placement,
+in-flight counts) are cached by (kind, pp, vpp, m), which is what makes thousands of points
+per second possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hyperloom.planner.errors import PlanError
+from hyperloom.planner.hardware import Cluster
+from hyperloom.planner.model import ModelSpec
+from hyperloom.planner.simulate import (
+    DEFAULT_MARGIN_GIB,
+    Plan,
+    lower_bound,
+    memory_per_rank,
+    predict,
+    prepare,
+)
+from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
+
+log = logging.getLogger("hyperloom.planner")
+
+_ALLOC = 0.94
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values tried per dimension; `pp=()` means every divisor of the GPU count that fits."""
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    cp: tuple[int, ...] = (1, 2, 4, 8)
+    pp: tuple[int, ...] = ()
+    mbs: tuple[int, ...] = (1, 2, 4)
+    zero: tuple[int, ...] = (0, 1, 3)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-v")
+    vpp: tuple[int, ...] = (2, 4)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    fp8: tuple[bool, ...] = (False, True)
+
+    def fixed(self, **values) -> SearchSpace:
+        """The space with some dimensions pinned, e.g. `fixed(tp=8, pp=4)`; `vpp` pins the
+        chunks of interleaving and `schedule` a single kind."""
+        out = {}
+        for key, value in values.items():
+            name = {"schedule": "schedules"}.get(key, key)
+            if name not in {f.name for f in dataclasses.fields(self)}:
+                raise PlanError(
+                    f"cannot fix {key!r}; fixable: tp, cp, pp, mbs, zero, schedule, vpp, "
+                    f"recompute, fp8"
+                )
+            out[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        return dataclasses.replace(self, **out)
+
+
+@dataclass
+class SearchResult:
+    top: list[Plan]
+    enumerated: int  # points generated
+    valid: int  # passed `check` and got a time lower bound
+    fitting: int  # of the memory-checked (not bounded out), those that fit
+    simulated: int  # replayed on the schedule IR
+    seconds: float
+    rejected: Counter = field(default_factory=Counter)  # reason -> count
+
+    @property
+    def configs_per_s(self) -> float:
+        """Points evaluated (checked, and costed in memory if valid) per second."""
+        return self.enumerated / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "enumerated": self.enumerated,
+            "valid": self.valid,
+            "fit_in_memory_of_checked": self.fitting,
+            "simulated": self.simulated,
+            "seconds": self.seconds,
+            "configs_per_s": self.configs_per_s,
+            "rejected": dict(self.rejected),
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace, accel_fp8: bool):
+    """Every point of the space for `gpus` GPUs and `global_batch` sequences per step."""
+    for tp, cp in itertools.product(space.tp, space.cp):
+        if gpus % (tp * cp):
+            continue
+        pps = space.pp or tuple(d for d in _divisors(gpus // (tp * cp)) if d <= spec.n_layers)
+        for pp in pps:
+            if gpus % (tp * cp * pp):
+                continue
+            dp = gpus // (tp * cp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for mbs in space.mbs:
+                if per_rank % mbs:
+                    continue
+                m = per_rank // mbs
+                kinds = [("1f1b", 1)] if pp == 1 else []
+                if pp > 1:
+                    for kind in space.schedules:
+                        vpps = space.vpp if kind == "interleaved" else (1,)
+                        kinds += [(kind, v) for v in vpps]
+                for (kind, v), zero, rc, fp8 in itertools.product(
+                    kinds, space.zero, space.recompute, space.fp8
+                ):
+                    if fp8 and not accel_fp8:
+                        continue
+                    if zero != 0 and dp == 1:
+                        continue  # sharding over one rank is zero 0
+                    yield Strategy(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        cp=cp,
+                        vpp=v,
+                        zero=zero,
+                        mbs=mbs,
+                        microbatches=m,
+                        schedule=kind,
+                        recompute=rc,
+                        fp8=fp8,
+                    )
+
+
+def search(
+    spec: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    seq: int,
+    runtime: Runtime | str = "hyperloom",
+    space: SearchSpace | None = None,
+    top_k: int = 10,
+    margin_gib: float = DEFAULT_MARGIN_GIB,
+    exact_actions: int = 4096,
+) -> SearchResult:
+    """The `top_k` fastest strategies that fit (see module docstring)."""
+    rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
+    space = space or SearchSpace()
+    start = time.perf_counter()
+    capacity = (cluster.accel.hbm_gib - margin_gib) * 2**30
+    rejected: Counter = Counter()
+    bounded: list[tuple[float, int, Strategy, object]] = []
+    enumerated = valid = 0
+    points = candidates(spec, cluster.gpus, global_batch, space, cluster.accel.supports_fp8)
+    for i, s in enumerate(points):
+        enumerated += 1
+        why = check(s, spec, seq, cluster.gpus)
+        if why:
+            rejected["invalid: " + why.split(" (")[0].split(":")[0][:40]] += 1
+            continue
+        valid += 1
+        prep = prepare(spec, cluster, s, seq, rt)
+        bounded.append((lower_bound(s, prep, cluster, rt), i, s, prep))
+    bounded.sort(key=lambda t: (t[0], t[1]))
+
+    best: list[tuple[float, int, Plan]] = []  # max-heap on step time (negated)
+    simulated = memory_checked = fitting = 0
+    for bound, i, s, prep in bounded:
+        if len(best) >= top_k and bound >= -best[0][0]:
+            rejected["bounded out (time)"] += 1
+            continue
+        memory_checked += 1
+        ranks = tuple(sorted({0, min(1, s.pp - 1), s.pp - 1}))
+        peak = max(m.peak for m in memory_per_rank(spec, s, seq, rt, prep, ranks))
+        if peak / _ALLOC > capacity:
+            rejected["over memory"] += 1
+            continue
+        fitting += 1
+        plan = predict(spec, cluster, s, seq, rt, margin_gib, fast=True, prep=prep)
+        simulated += 1
+        item = (-plan.step_time, -i, plan)
+        if len(best) < top_k:
+            heapq.heappush(best, item)
+        elif plan.step_time < -best[0][0]:
+            heapq.heapreplace(best, item)
+    if not best:
+        raise PlanError(
+            f"no strategy for {spec.name} on {cluster.gpus} x {cluster.accel.name} fits in "
+            f"{cluster.accel.hbm_gib - margin_gib:.1f} GiB: {enumerated} points, rejected "
+            f"{dict(rejected)}"
+        )
+    exact = []
+    for plan in sorted((p for _, _, p in best), key=lambda p: p.step_time):
+        s = plan.strategy
+        if s.pp * s.microbatches * s.stages_per_rank <= exact_actions:
+            plan = predict(spec, cluster, s, seq, rt, margin_gib)
+        if plan.fits:
+            exact.append(plan)
+        else:
+            rejected["over memory (exact, all ranks)"] += 1
+    # Step times within 0.1% are a tie (well inside the model's error): less memory wins.
+    fastest = min((p.step_time for p in exact), default=1.0)
+    exact.sort(key=lambda p: (round(p.step_time / fastest, 3), p.peak_memory))
+    seconds = time.perf_counter() - start
+    log.info(
+        "searched %d points (%d valid) in %.2f s: %d memory-checked, %d fit, %d replayed",
+        enumerated,
+        valid,
+        seconds,
+        memory_checked,
+        fitting,
+        simulated,
+    )
+    return SearchResult(
+        top=exact,
+        enumerated=enumerated,
+        valid=valid,
+        fitting=fitting,
+        simulated=simulated,
+        seconds=seconds,
+        rejected=rejected,
+    )

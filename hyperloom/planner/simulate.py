@@ -1,0 +1,418 @@
+"""Predict one strategy: costs laid onto the schedule IR, simulated, turned into a `Plan`.
+
+This is the glue. For a model, a cluster, a strategy and a runtime it
+
+1. builds one `Layer` and costs it (`costs.layer_phase`), cuts the model into chunks
+   (`costs.assign_layers`: pp x chunks-per-rank, the embedding on the first chunk and the head
+   on the last), and gives every *stage of the schedule* its chunk's F/B/W seconds;
+2. builds the schedule the executor runs (`pipeline.build_schedule`, with its p2p actions
+   from `pipeline.add_communication`) and replays it with those per-stage costs and the
+   activation transfer time as the p2p latency (`pipeline.simulate`). Bubbles, warm-up and
+   cool-down, non-uniform first and last stages and exposed p2p transfers all come out of the
+   replay; nothing here re-derives a schedule;
+3. finishes each rank at its last compute event plus its exposed data-parallel sync and its
+   optimizer step; the step time is the latest rank;
+4. sizes each rank's memory with the peak in-flight and W-pending counts of the replay.
+
+MFU is model FLOPs (`ModelSpec.model_flops_per_token`, the Megatron/PaLM convention with the
+full attention matrix, recomputation not counted) per second over the BF16 dense peak, with
+or without FP8.
+
+Speed (`fast=True`, used by the search): once a schedule is in its steady state each extra
+micro-batch adds a fixed time, so the replay runs at two micro-batch counts m1 < m2 past the
+point where that holds (m1 = 2pp for 1F1B, ZB-H1 and interleaving, 3pp for the V-shapes and
+DualPipe; m2 = m1 + pp) and each rank's finish time is extrapolated linearly to m; the
+in-flight counts are already saturated at m1. The fast replay also leaves out the p2p
+actions and charges the transfer as a dependency latency, which gives the same times (the
+receives sit right before their consumers). Tests hold fast to exact within 1%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hyperloom.pipeline import Costs, SimResult, StageCost, add_communication, build_schedule
+from hyperloom.pipeline import simulate as replay_schedule
+from hyperloom.pipeline.ir import Schedule, ScheduleError, standard_placement, v_placement
+from hyperloom.pipeline.validate import replay
+from hyperloom.planner.collectives import collective_time
+from hyperloom.planner.costs import (
+    Links,
+    Phase,
+    assign_layers,
+    chunk_params,
+    dp_sync,
+    embedding_phase,
+    head_phase,
+    layer_phase,
+    links_for,
+    optimizer_time,
+)
+from hyperloom.planner.errors import PlanError
+from hyperloom.planner.hardware import GIB, Accelerator, Cluster
+from hyperloom.planner.memory import LayerMemory, Memory, rank_memory
+from hyperloom.planner.model import ModelSpec, build_layer
+from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
+
+DEFAULT_MARGIN_GIB = 6.0
+_SATURATION = {"interleaved": 2, "zb-v": 3, "dualpipev": 3, "dualpipe": 3, "1f1b": 2, "zb-h1": 2}
+
+
+@dataclass
+class Plan:
+    """Predicted step time, throughput and per-rank memory of one strategy."""
+
+    model: ModelSpec
+    strategy: Strategy
+    cluster: Cluster
+    runtime: Runtime
+    seq: int
+    step_time: float
+    bubble_fraction: float  # idle share of all pipeline ranks' time in the replay
+    mfu: float
+    memory: list[Memory]  # per pipeline rank
+    capacity: float  # usable bytes per device (HBM minus the margin)
+    breakdown: dict[str, float]  # seconds of the step on the rank that finishes last
+    simulated_microbatches: int
+    sim: SimResult | None = field(default=None, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.strategy.global_batch * self.seq / self.step_time
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.mfu * self.cluster.accel.bf16_tflops
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.peak for m in self.memory)
+
+    @property
+    def reserved_memory(self) -> float:
+        return max(m.reserved for m in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved_memory <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model.name,
+            "strategy": self.strategy.to_dict(),
+            "label": self.strategy.label(),
+            "accelerator": self.cluster.accel.name,
+            "gpus": self.cluster.gpus,
+            "runtime": self.runtime.name,
+            "seq": self.seq,
+            "step_time_s": self.step_time,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_gib": self.peak_memory / GIB,
+            "reserved_memory_gib": self.reserved_memory / GIB,
+            "capacity_gib": self.capacity / GIB,
+            "fits": self.fits,
+            "breakdown_s": self.breakdown,
+            "memory_per_rank_gib": [
+                {k: v / GIB for k, v in m.to_dict().items()} for m in self.memory
+            ],
+            "simulated_microbatches": self.simulated_microbatches,
+        }
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(kind: str, pp: int, m: int, vpp: int, comm: bool) -> Schedule:
+    sched = build_schedule(kind, pp, m, vpp)
+    return add_communication(sched) if comm and pp > 1 else sched
+
+
+@functools.lru_cache(maxsize=1024)
+def _structure(kind: str, pp: int, m: int, vpp: int):
+    """(stage -> chunk, peak in-flight, peak W-pending) of a schedule; costs do not matter.
+
+    A stage's model chunk is its position along its pipe (DualPipe's copy of chunk k is
+    chunk k again)."""
+    sched = _schedule(kind, pp, m, vpp, False)
+    chunk_of = {st: j for pipe in sched.pipes for j, st in enumerate(pipe.stages)}
+    rep = replay(sched)
+    return chunk_of, rep.peak_in_flight, rep.peak_w_pending
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_chunks(kind: str, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]:
+    """Model chunks each rank holds, from the IR's placement rules (no schedule built)."""
+    if kind == "dualpipe":
+        return tuple(tuple(sorted({r, pp - 1 - r})) for r in range(pp))
+    place = v_placement(pp) if kind in ("zb-v", "dualpipev") else standard_placement(pp, vpp)
+    return tuple(tuple(c for c, rank in enumerate(place) if rank == r) for r in range(pp))
+
+
+def _sim_points(s: Strategy) -> tuple[int, int] | None:
+    """(m1, m2) for the extrapolated replay, or None when m is small enough to replay."""
+    sat = _SATURATION.get(s.schedule)
+    if sat is None or s.pp == 1:
+        return None
+    m1 = sat * s.pp
+    m2 = m1 + s.pp
+    return (m1, m2) if s.microbatches > m2 else None
+
+
+def effective_accelerator(cluster: Cluster, rt: Runtime) -> Accelerator:
+    """The accelerator as the runtime uses it: compute and memory rates times
+    `Runtime.efficiency` (1 = the roofline of `hardware.py`)."""
+    acc = cluster.accel
+    if rt.efficiency == 1.0:
+        return acc
+    e = rt.efficiency
+    return dataclasses.replace(acc, bf16_tflops=acc.bf16_tflops * e, hbm_gbs=acc.hbm_gbs * e)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strategy):
+    """Layer costs and memory figures, embedding and head Phases and links; `key` is the
+    strategy with the fields that do not change a layer (schedule, vpp, micro-batch count)
+    reset, so one entry serves every schedule of a layout."""
+    links = links_for(cluster, key)
+    acc = effective_accelerator(cluster, rt)
+    layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save)
+    one = layer_phase(layer, spec, key, acc, links, rt)
+    emb = embedding_phase(spec, key, seq, acc, links)
+    head = head_phase(spec, key, seq, acc, links)
+    return LayerMemory.of(layer, key.recompute, key.fp8), one, emb, head, links
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(spec: ModelSpec, tp: int, rank_chunks) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    layers = tuple(assign_layers(spec.n_layers, rank_chunks))
+    return layers, tuple(chunk_params(spec, tp, list(layers)))
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """Everything about a strategy that does not need the timed replay. Per-chunk costs are
+    numpy arrays (seconds per micro-batch) so that the search's bounds are a few vector ops."""
+
+    strategy: Strategy
+    layers: tuple[int, ...]  # per model chunk
+    params: tuple[float, ...]  # per model chunk, on one tp rank
+    one: Phase  # one layer
+    ends: tuple[Phase, Phase]  # embedding (first chunk), head (last chunk)
+    f: np.ndarray
+    b: np.ndarray
+    w: np.ndarray
+    layer_memory: LayerMemory
+    links: Links
+    rank_chunks: tuple[tuple[int, ...], ...]
+    p2p: float  # seconds of one activation transfer between pipeline ranks
+
+    @functools.cached_property
+    def phases(self) -> list[Phase]:
+        out = [self.one.scaled(n) for n in self.layers]
+        out[0] = out[0] + self.ends[0]
+        out[-1] = out[-1] + self.ends[1]
+        return out
+
+    def rank_phase(self, rank: int) -> Phase:
+        out = Phase()
+        for c in self.rank_chunks[rank]:
+            out = out + self.phases[c]
+        return out
+
+    def rank_sum(self, per_chunk: np.ndarray) -> np.ndarray:
+        s = self.strategy
+        if s.schedule == "dualpipe":  # rank r holds chunk r and a copy of chunk pp-1-r
+            return per_chunk + per_chunk[::-1]
+        return np.bincount(_placement(s.schedule, s.pp, s.vpp), per_chunk, minlength=s.pp)
+
+    def structure(self):
+        """(stage -> chunk, peak in-flight, peak W-pending) from the schedule replay, at a
+        micro-batch count past saturation (the counts no longer grow)."""
+        s = self.strategy
+        points = _sim_points(s)
+        try:
+            return _structure(s.schedule, s.pp, points[0] if points else s.microbatches, s.vpp)
+        except ScheduleError as exc:
+            raise PlanError(f"{s.label()}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(kind: str, pp: int, vpp: int) -> np.ndarray:
+    """Rank of each model chunk (standard or V placement)."""
+    if kind in ("zb-v", "dualpipev"):
+        return np.array(v_placement(pp))
+    return np.array(standard_placement(pp, vpp))
+
+
+def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtime) -> Prepared:
+    """Costs per chunk and chunk placement (no schedule replay)."""
+    key = dataclasses.replace(s, schedule="1f1b", vpp=1, microbatches=1)
+    lm, one, emb, head, links = _layer(spec, cluster, rt, seq, key)
+    rank_chunks = _rank_chunks(s.schedule, s.pp, s.vpp)
+    layers, params = _chunks(spec, s.tp, rank_chunks)
+    n = np.asarray(layers, dtype=float)
+    f, b, w = one.f * n, one.b * n, one.w * n
+    for i, ph in ((0, emb), (-1, head)):
+        f[i] += ph.f
+        b[i] += ph.b
+        w[i] += ph.w
+    act = 2.0 * s.mbs * seq / s.cp * spec.dim / (s.tp if s.sp and s.tp > 1 else 1)
+    return Prepared(
+        strategy=s,
+        layers=layers,
+        params=params,
+        one=one,
+        ends=(emb, head),
+        f=f,
+        b=b,
+        w=w,
+        layer_memory=lm,
+        links=links,
+        rank_chunks=rank_chunks,
+        p2p=collective_time("p2p", 2, act, links.pp),
+    )
+
+
+def memory_per_rank(
+    spec: ModelSpec,
+    s: Strategy,
+    seq: int,
+    rt: Runtime,
+    prep: Prepared,
+    ranks: tuple[int, ...] | None = None,
+) -> list[Memory]:
+    """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last)."""
+    _, in_flight, w_pending = prep.structure()
+    return [
+        rank_memory(
+            spec,
+            s,
+            rt,
+            seq,
+            prep.layer_memory,
+            prep.rank_chunks[r],
+            list(prep.layers),
+            list(prep.params),
+            in_flight[r],
+            w_pending[r],
+        )
+        for r in (range(s.pp) if ranks is None else ranks)
+    ]
+
+
+def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> float:
+    """A step time no replay of the schedule can beat.
+
+    Rank r cannot start before micro-batch 0 has gone forward through every chunk before its
+    first one, must then do all its work, and after its last input-gradient backward the
+    gradient still has to travel back through those chunks:
+    ``pre_r + max(busy_r, m*(F_r + B_r) + post_r)`` (B of a full-backward schedule includes
+    W), plus its optimizer step. DualPipe's two directions get the plain ``busy_r`` bound.
+    """
+    split = s.schedule in ("zb-h1", "zb-v", "dualpipev")
+    m = s.microbatches
+    back = prep.b if split else prep.b + prep.w
+    busy = m * prep.rank_sum(prep.f + prep.b + prep.w)
+    bound = busy
+    if s.schedule != "dualpipe":
+        first = np.arange(s.pp)  # rank r's first chunk is chunk r (standard and V)
+        pre = np.concatenate(([0.0], np.cumsum(prep.f)))[first] + first * prep.p2p
+        post = np.concatenate(([0.0], np.cumsum(back)))[first] + first * prep.p2p
+        own = m * prep.rank_sum(prep.f + back)
+        bound = pre + np.maximum(busy, own + post)
+    per_param = optimizer_time(1.0, s, effective_accelerator(cluster, rt), rt)
+    return float(np.max(bound + per_param * prep.rank_sum(np.asarray(prep.params))))
+
+
+def predict(
+    spec: ModelSpec,
+    cluster: Cluster,
+    s: Strategy,
+    seq: int,
+    runtime: Runtime | str = "hyperloom",
+    margin_gib: float = DEFAULT_MARGIN_GIB,
+    fast: bool = False,
+    prep: Prepared | None = None,
+) -> Plan:
+    """Simulate strategy `s` (see module docstring); raises PlanError if it cannot run."""
+    rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
+    why = check(s, spec, seq, cluster.gpus)
+    if s.fp8 and not cluster.accel.supports_fp8:
+        why = f"fp8 requested, but {cluster.accel.name} has no FP8 tensor cores"
+    if why:
+        raise PlanError(f"{s.label()}: {why}")
+    prep = prep or prepare(spec, cluster, s, seq, rt)
+    chunk_of = prep.structure()[0]
+    points = _sim_points(s) if fast else None
+    m_runs = points or (s.microbatches,)
+    results = []
+    try:
+        for m in m_runs:
+            sched = _schedule(s.schedule, s.pp, m, s.vpp, not fast)
+            per_stage = {
+                st: StageCost(float(prep.f[c]), float(prep.b[c]), float(prep.w[c]))
+                for st, c in chunk_of.items()
+            }
+            results.append(replay_schedule(sched, Costs(comm=prep.p2p, per_stage=per_stage)))
+    except ScheduleError as exc:
+        raise PlanError(f"{s.label()}: {exc}") from None
+
+    def last_end(r: SimResult, rank: int) -> float:
+        return max((e.end for e in r.events[rank] if e.action.kind.is_compute), default=0.0)
+
+    m = s.microbatches
+    ends = []
+    for rank in range(s.pp):
+        if points:
+            (m1, m2), (r1, r2) = points, results
+            e1, e2 = last_end(r1, rank), last_end(r2, rank)
+            ends.append(e1 + (m - m1) * (e2 - e1) / (m2 - m1))
+        else:
+            ends.append(last_end(results[0], rank))
+
+    acc = effective_accelerator(cluster, rt)
+    finish, parts, busy_all = [], [], 0.0
+    for rank in range(s.pp):
+        p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
+        per_mb = prep.rank_phase(rank)
+        dp_total, dp_exposed = dp_sync(p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt)
+        opt = optimizer_time(p_rank, s, acc, rt)
+        finish.append(ends[rank] + dp_exposed + opt)
+        busy = m * per_mb.total
+        busy_all += busy
+        parts.append(
+            {
+                "compute": m * per_mb.compute,
+                "recompute": m * per_mb.recompute,
+                "tp_comm": m * per_mb.tp_comm,
+                "cp_comm": m * per_mb.cp_comm,
+                "zero3_gather": m * per_mb.dp_comm,
+                "pipeline_bubble": max(0.0, ends[rank] - busy),
+                "dp_sync_exposed": dp_exposed,
+                "optimizer": opt,
+                "dp_sync_total": dp_total,
+            }
+        )
+    step = max(finish)
+    makespan = max(ends)
+    flops = spec.model_flops_per_token(seq) * s.global_batch * seq
+    return Plan(
+        model=spec,
+        strategy=s,
+        cluster=cluster,
+        runtime=rt,
+        seq=seq,
+        step_time=step,
+        bubble_fraction=1.0 - busy_all / (s.pp * makespan) if makespan else 0.0,
+        mfu=flops / (step * cluster.gpus * cluster.accel.bf16_tflops * 1e12),
+        memory=memory_per_rank(spec, s, seq, rt, prep),
+        capacity=(cluster.accel.hbm_gib - margin_gib) * GIB,
+        breakdown=parts[finish.index(step)],
+        simulated_microbatches=m_runs[0],
+        sim=None if points else results[0],
+    )

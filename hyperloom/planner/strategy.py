@@ -1,0 +1,188 @@
+"""A parallel strategy (what the search varies) and a runtime (how the trainer behaves).
+
+`Strategy` is one point of the search space: tp, pp, vpp, dp, cp, ep, ZeRO mode, micro-batch
+size and count, schedule kind, recompute policy, FP8. `check` returns why a point cannot run
+(with the arithmetic), or None; the search calls it before costing anything.
+
+`Runtime` is what the same strategy costs *on a given trainer*: which dtype holds the
+parameters, whether gradients and the optimizer are sharded with a separate master copy,
+which communication is overlapped with compute and how well. Two are built in:
+
+- ``hyperloom`` — this repository's runtime today. Parameters are FP32 and compute runs under
+  BF16 autocast, so model states are 4 (param) + 4 (grad) + 8 (Adam m, v) = 16 B/param with
+  zero 0 (DDP, bucketed all-reduce overlapped with the backward; DDP's buckets are a second
+  copy of the gradients); zero 1 keeps params and grads replicated plus a separate FP32
+  master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`; its
+  reduce-scatter and all-gather are not overlapped); zero 3 is FSDP2, 16/dp, with per-block
+  all-gathers prefetched behind compute and, under gradient accumulation, unsharded
+  gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
+  weight alive while any micro-batch that used it awaits its backward (+2 B/param).
+  Tensor-parallel collectives are not overlapped, and under sequence parallelism the
+  column-parallel linears save the gathered input.
+- ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
+  BF16 parameters and FP32 main gradients, 2 + 4 + 12 = 18 B/param (zero 0), 6 + 12/dp
+  (zero 1 = distributed optimizer), 18/dp (zero 3); ``--overlap-grad-reduce
+  --overlap-param-gather`` hide the reduce-scatter behind the last backward and the gather
+  behind the next forward; ``--tp-comm-overlap`` hides TP collectives behind GEMMs, which we
+  take as 80% effective (an assumption, see docs/planner.md); sequence-parallel inputs are
+  saved sharded and gathered again for the weight gradient.
+
+Pass ``param_bytes=2`` (`--param-dtype bf16`) to model Megatron's memory layout on the
+hyperloom runtime's overlap behaviour, or build any other `Runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hyperloom.pipeline import SCHEDULES
+from hyperloom.planner.model import ModelSpec, parse_recompute
+
+ZERO_MODES = (0, 1, 3)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a trainer stores state and overlaps communication (see module docstring)."""
+
+    name: str
+    param_bytes: int = 4  # bytes per parameter as stored (4 = FP32 master is the param)
+    grad_bytes: int = 4  # bytes per gradient (FP32)
+    zero1_separate_master: bool = True  # ZeRO-1 keeps its own FP32 master slice
+    autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
+    ddp_bucket_copy: bool = True  # DDP buckets duplicate the gradients
+    fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
+    sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
+    tp_overlap: float = 0.0  # fraction of TP comm hidden behind GEMMs
+    cp_overlap: float = 1.0  # fraction of CP comm hidden behind attention
+    ddp_overlap: float = 1.0  # zero 0: all-reduce behind the last backward
+    zero1_overlap: float = 0.0  # zero 1: reduce-scatter / all-gather behind compute
+    fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
+    param_gather_bytes: int = 4  # zero 1 all-gathers the updated params in this width
+    grad_reduce_bytes: int = 4
+    bucket_mb: float = 25.0  # the last gradient bucket is never hidden
+    efficiency: float = 1.0  # achieved fraction of the compute roofline (fitted: docs)
+
+    def with_param_dtype(self, dtype: str) -> Runtime:
+        """'bf16': BF16 params + FP32 master in the optimizer (Megatron's layout)."""
+        if dtype == "bf16":
+            return dataclasses.replace(
+                self, param_bytes=2, autocast_weight_copy=False, param_gather_bytes=2
+            )
+        return dataclasses.replace(self, param_bytes=4)
+
+
+RUNTIMES = {
+    "hyperloom": Runtime("hyperloom"),
+    "megatron": Runtime(
+        "megatron",
+        param_bytes=2,
+        zero1_separate_master=True,
+        autocast_weight_copy=False,
+        ddp_bucket_copy=False,
+        fsdp_unsharded_accumulation=False,
+        sharded_save=True,
+        tp_overlap=0.8,
+        zero1_overlap=1.0,
+        param_gather_bytes=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One parallel layout and training recipe (a point of the search space)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1  # model chunks per rank (interleaved; V-shapes imply 2)
+    zero: int = 0
+    mbs: int = 1  # sequences per micro-batch per dp rank
+    microbatches: int = 1  # micro-batches per step per dp rank
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    fp8: bool = False
+    sp: bool = True  # sequence parallelism whenever tp > 1
+    order: str = "pp,dp,cp,tp"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.mbs * self.microbatches
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule in ("zb-v", "dualpipev") else self.vpp
+
+    @property
+    def model_chunks(self) -> int:
+        """Distinct layer chunks the model is cut into (DualPipe's second copy is no cut)."""
+        return self.pp if self.schedule == "dualpipe" else self.pp * self.stages_per_rank
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        if self.stages_per_rank > 1:
+            parts.append(f"v{self.stages_per_rank}")
+        parts += [f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
+        parts.append(f"rc:{self.recompute}")
+        if self.fp8:
+            parts.append("fp8")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> str | None:
+    """Why `s` cannot run `spec` at sequence length `seq` (arithmetic shown), or None."""
+    dims = {"tp": s.tp, "pp": s.pp, "dp": s.dp, "cp": s.cp, "ep": s.ep, "vpp": s.vpp}
+    bad = [k for k, v in dims.items() if v < 1]
+    if bad or s.mbs < 1 or s.microbatches < 1:
+        return f"sizes must be >= 1: {dims}, mbs={s.mbs}, microbatches={s.microbatches}"
+    if gpus is not None and s.world != gpus:
+        return f"tp({s.tp}) * pp({s.pp}) * dp({s.dp}) * cp({s.cp}) = {s.world} != {gpus} GPUs"
+    for name, value in (("n_heads", spec.n_heads), ("n_kv_heads", spec.n_kv_heads)):
+        if value % s.tp:
+            return f"{name} ({value}) is not divisible by tp ({s.tp})"
+    if spec.ffn_dim % s.tp or spec.vocab_size % s.tp:
+        return f"ffn_dim ({spec.ffn_dim}) and vocab ({spec.vocab_size}) must divide by tp ({s.tp})"
+    split = s.cp * 2 if s.cp > 1 else 1  # load-balanced CP cuts 2*cp chunks
+    if seq % (split * (s.tp if s.sp and s.tp > 1 else 1)):
+        return f"seq ({seq}) must divide by {'2*cp*' if s.cp > 1 else ''}tp = {split * s.tp}"
+    if s.zero not in ZERO_MODES:
+        return f"zero must be one of {ZERO_MODES}, got {s.zero}"
+    if s.schedule not in SCHEDULES:
+        return f"unknown schedule {s.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+    m, p = s.microbatches, s.pp
+    if s.schedule == "interleaved" and (s.vpp < 2 or m % p):
+        return f"interleaved needs vpp >= 2 ({s.vpp}) and microbatches ({m}) % pp ({p}) == 0"
+    if s.schedule != "interleaved" and s.vpp != 1:
+        return f"{s.schedule} fixes its chunks per rank; vpp must be 1, got {s.vpp}"
+    if s.schedule == "dualpipe" and (p % 2 or m % 2 or m < 2 * p):
+        return f"dualpipe needs even pp ({p}) and even microbatches ({m}) >= 2*pp"
+    if s.schedule == "dualpipev" and m < 2 * p:
+        return f"dualpipev needs microbatches ({m}) >= 2*pp = {2 * p}"
+    if s.ep > 1:
+        return f"ep = {s.ep}: the dense family has no experts"
+    if s.model_chunks > spec.n_layers:
+        return (
+            f"pp({s.pp}) * chunks per rank({s.stages_per_rank}) = {s.model_chunks} chunks "
+            f"> {spec.n_layers} layers"
+        )
+    if s.pp == 1 and s.schedule not in ("1f1b", "gpipe"):
+        return f"{s.schedule} needs pp > 1"
+    try:
+        parse_recompute(s.recompute)
+    except ValueError as exc:
+        return str(exc)
+    return None

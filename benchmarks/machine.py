@@ -1,0 +1,138 @@
+"""What the benchmarks need to know about the machine: its description, peak memory, and
+how much of the CPU other processes took while we measured.
+
+On a shared CPU machine the main source of noise is other work: when another process takes
+one of two cores, a 2-thread PyTorch step slows several-fold (the OpenMP threads wait at every
+barrier for the descheduled one). Reading /proc/stat around each step tells how many cores
+others used meanwhile, so disturbed steps can be counted instead of averaged in silently.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyperloom.accelerator import get_accelerator
+
+BUSY_CORES = 0.2  # a step is contended if other processes averaged more than this many cores
+QUIET_WAIT_S = 60  # before each run, wait up to this long for other processes to settle
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark to its current RSS (Linux >= 4.0); False if refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started or since `reset_peak_rss`.
+
+    Read from /proc/self/status (VmHWM), not `getrusage`: a spawned worker's `ru_maxrss` keeps
+    the RSS its parent had when it forked (Linux carries it across exec), which would charge
+    the parent's memory to every worker.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+        match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+        if match:
+            return int(match.group(1)) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU-seconds of the whole machine, of this process) so far; None off Linux.
+
+    The difference is what other processes (and the hypervisor, as steal time) took while we
+    ran: on a shared machine that is the main source of noise, so every step records it.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields)
+    machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return machine, own.ru_utime + own.ru_stime
+
+
+def wait_for_quiet(timeout_s: float = QUIET_WAIT_S) -> float:
+    """Wait until other processes leave the CPUs alone for 2 s in a row; returns seconds waited.
+
+    Gives up after `timeout_s` (the run then goes ahead and reports its own contention).
+    """
+    start, quiet = time.perf_counter(), 0
+    while quiet < 2 and time.perf_counter() - start < timeout_s:
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        if c0 is None:
+            return 0.0
+        time.sleep(1.0)
+        c1 = cpu_seconds()
+        other = ((c1[0] - c0[0]) - (c1[1] - c0[1])) / (time.perf_counter() - t0)
+        quiet = quiet + 1 if other < BUSY_CORES else 0
+    return time.perf_counter() - start
+
+
+def hyperloom_revision() -> dict[str, Any]:
+    """The commit hyperloom was measured at, and whether its package tree had local edits."""
+    import subprocess
+
+    import hyperloom
+
+    root = Path(hyperloom.__file__).resolve().parent
+    try:
+
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
+            ).stdout.strip()
+
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", ".")),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def machine_info(threads: int, device: str) -> dict[str, Any]:
+    """Versions, device, CPU model and flags, and the hyperloom revision, for the JSON."""
+    import importlib.metadata as md
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "logical_cpus": os.cpu_count(),
+        "device": get_accelerator(device).describe(),
+        "hyperloom_revision": hyperloom_revision(),
+    }
+    for pkg in ("transformers", "hyperloom"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+        flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+        info["cpu_model"] = model.group(1).strip() if model else None
+        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+        info["cpu_flags"] = [f for f in wanted if flags and f in flags.group(1).split()]
+    except OSError:
+        info["cpu_model"] = None
+    return info

@@ -17,8 +17,8 @@ Peak memory: on CUDA-like devices `max_memory_allocated` (reset after setup); on
 resident set size of the process, reset after setup through /proc/self/clear_refs where the
 kernel allows, so it covers the training steps (interpreter and libraries included).
 
-    python benchmarks/train_throughput.py                 # bf16 autocast, 2 rounds
-    python benchmarks/train_throughput.py --dtype fp32 --rounds 3 --only hyperloom,plain
+    python benchmarks/train_throughput.py                 # bf16 autocast, 3 rounds
+    python benchmarks/train_throughput.py --dtype fp32 --rounds 5 --only hyperloom,plain
 """
 
 from __future__ import annotations

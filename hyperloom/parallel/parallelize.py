@@ -173,9 +173,11 @@ class ParallelModel:
         dev = next(self.inner.parameters()).device
 
         def sq(gs):
+            # One read per gradient (foreach norm), as torch.nn.utils.clip_grad_norm_ does.
             if not gs:
                 return torch.zeros((), device=dev)
-            return torch.stack([g.float().pow(2).sum() for g in gs]).sum()
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in gs])
+            return torch.linalg.vector_norm(torch.stack(norms)) ** 2
 
         sharded_sq = sq(sharded)
         if self.tp_group is not None:
@@ -186,8 +188,7 @@ class ParallelModel:
         total = total_sq.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in sharded + replicated:
-                g.mul_(coef)
+            torch._foreach_mul_(sharded + replicated, coef)
         return total
 
 

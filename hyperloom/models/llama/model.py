@@ -89,17 +89,17 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
         # SDPA wants (b, heads, s, d).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            # Grouped-query attention: each kv head serves `rep` consecutive query heads.
-            k = k.repeat_interleave(rep, dim=1)  # (b, h, kv_len, d)
-            v = v.repeat_interleave(rep, dim=1)
         if start_pos == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # Grouped-query attention inside SDPA: each kv head serves n_heads / n_kv_heads
+            # consecutive query heads, without copying k and v for every query head.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif seq == 1:
-            out = F.scaled_dot_product_attention(q, k, v)  # one new token sees everything
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # sees everything
         else:
-            # New block of queries after a cached prefix: query i sits at start_pos + i.
+            # New block of queries after a cached prefix: query i sits at start_pos + i. With
+            # an explicit mask, expand k/v so every backend (not only the math one) applies.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             kv_len = k.shape[2]
             q_pos = torch.arange(start_pos, start_pos + seq, device=q.device)
             mask = q_pos[:, None] >= torch.arange(kv_len, device=q.device)[None, :]

@@ -293,20 +293,22 @@ def run_layout(
             "threads_per_process": threads,
             **launch(layout, overrides, out, log_path, threads),
         }
-        if result["rc"] == 0 and out.is_file():
+        lines = log_path.read_text().splitlines() if log_path.is_file() else []
+        tail = "\n".join(line for line in lines[-60:] if line.strip())
+        if out.is_file():  # rank 0 writes it last, once every rank's numbers are gathered
             result.update(read_run(run_dir, out, args.warmup))
+            if result["rc"] != 0:  # trained and reported, then a process died on the way out
+                result.update(exit_problem=tail, log=str(log_path))
         else:
             # The worker's own lines; torchrun's report of the failure follows them.
-            lines = log_path.read_text().splitlines() if log_path.is_file() else []
-            result["error"] = "\n".join(line for line in lines[-60:] if line.strip())
-            result["log"] = str(log_path)
+            result.update(error=tail, log=str(log_path))
         # What disturbs tokens/s is other work during the timed steps; the whole run's
         # figure (start-up included) stands in when the steps' is not available.
         steps_other = result.get("other_cpu_cores_steps")
         result["other_cpu_cores"] = (
             steps_other if steps_other is not None else result["other_cpu_cores_run"]
         )
-        if not args.keep_runs and "error" not in result:
+        if not args.keep_runs and result["rc"] == 0:
             shutil.rmtree(run_dir, ignore_errors=True)
         attempts.append(result)
         other = result["other_cpu_cores"]
@@ -350,6 +352,12 @@ def measure(
         if "error" in r:
             print(f"    FAILED (exit {r['rc']}), log {r['log']}:\n" + r["error"], flush=True)
             continue
+        if "exit_problem" in r:
+            print(
+                f"    finished and reported, then exited with status {r['rc']}: "
+                f"{_exit_reason(r['exit_problem'])} (log {r['log']})",
+                flush=True,
+            )
         print(
             f"    {r['tokens_per_s_median']:,.0f} tokens/s, peak RSS "
             f"{_per_rank(r['peak_rss_gb_per_rank'], '.2f')} GB, state "
@@ -376,6 +384,15 @@ def add_loss_diffs(results: list[dict[str, Any]]) -> None:
         r["loss_max_rel_diff"] = max(
             abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True)
         )
+
+
+def _exit_reason(tail: str) -> str:
+    """The line of a log tail that says why a process ended badly."""
+    for marker in ("terminate called", "Signal ", "Error"):
+        for line in tail.splitlines():
+            if marker in line:
+                return line.strip()
+    return "see the log"
 
 
 def _per_rank(values: list[float] | None, fmt: str) -> str:
@@ -405,7 +422,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
         diff = r["loss_max_rel_diff"]
         other = r["other_cpu_cores"]
         table.add_row(
-            r["name"],
+            r["name"] + (" *" if "exit_problem" in r else ""),
             str(r["nproc"]),
             str(r["threads_per_process"]),
             f"{tps:,.0f}",
@@ -423,6 +440,11 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
         "state: params + grads + Adam moments (+ ZeRO-1 master slice) held by the rank; loss "
         "diff: vs single, per step; other load: CPU other processes used during the timed steps "
         "(! = contended)"
+        + (
+            "; * = trained and reported, then a process ended abnormally at exit"
+            if any("exit_problem" in r for r in results)
+            else ""
+        )
     )
 
 
@@ -445,6 +467,12 @@ def verdict(results: list[dict[str, Any]], args: argparse.Namespace, cores: int)
         )
     if failed:
         lines.append(f"runs FAILED: {', '.join(failed)} (log tails are in the JSON)")
+    for r in results:
+        if "exit_problem" in r:
+            lines.append(
+                f"{r['name']}: finished and reported, then exited with status {r['rc']} "
+                f"({_exit_reason(r['exit_problem'])}); its numbers are kept, the log is in the JSON"
+            )
     ok = [r for r in results if "error" not in r]
     if ok:
         fastest = max(ok, key=lambda r: r["tokens_per_s_median"])
@@ -542,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     keep = args.keep_runs
     try:
         results = measure(args, layouts, cores, scratch)
-        keep = keep or any("error" in r for r in results)
+        keep = keep or any(r["rc"] != 0 for r in results)
     finally:  # also on Ctrl-C; a failed run's logs stay for reading
         if keep:
             print(f"run directories and logs: {scratch}")

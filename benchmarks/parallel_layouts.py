@@ -15,10 +15,10 @@ What is measured, per layout:
   steps 3..6 of 6); every step's value goes to the JSON.
 - peak RSS per rank: each process's resident high-water mark (VmHWM) read at its last optimizer
   step, so it covers start-up, data, model, the initial evaluation and every training step --
-  but not the end-of-run checkpoint, which gathers whole tensors on every rank and would hide
-  the sharding. (The trainer's summary.json `peak_memory_gb_per_rank` is the process's
-  `ru_maxrss` at the very end, checkpoint included; it is kept in the JSON.) On CPU the RSS
-  includes the interpreter, torch and the token arrays, about 0.9 GB per process here.
+  but not the end-of-run checkpoint, which gathers whole tensors on every rank and could hide
+  the sharding. (The trainer's summary.json `peak_memory_gb_per_rank`, `ru_maxrss` at the very
+  end, is kept in the JSON; here the two agree.) On CPU the RSS includes the interpreter, torch
+  and the token arrays: about 0.45 GB per process once set up (`setup_peak_rss_gb_per_rank`).
 - state per rank: `hyperloom.parallel.state.local_state_bytes` after the optimizer step --
   parameters, gradients, Adam moments and ZeRO-1's FP32 master slice, the part a layout
   promises to divide; buffers (DDP buckets, FSDP all-gathers, ZeRO-1's flat copies) and
@@ -145,7 +145,7 @@ def prepare_data(overrides: list[str]) -> int:
     return 0
 
 
-def worker(out_path: Path, overrides: list[str]) -> int:
+def worker(out_path: Path, overrides: list[str]) -> None:
     """One rank of one layout: `Trainer(cfg).run()` as `hyperloom train` does, plus a probe
     after each optimizer step (state bytes, peak RSS). Rank 0 writes every rank's numbers."""
     import torch.distributed as dist
@@ -190,9 +190,13 @@ def worker(out_path: Path, overrides: list[str]) -> int:
         dist.all_gather_object(ranks, mine)
     if rank == 0:
         out_path.write_text(json.dumps({"summary": summary, "ranks": ranks}, indent=2))
-    # No destroy_process_group, as in `hyperloom train`: with gloo and FSDP2 it sometimes
-    # aborts one rank at exit ("terminate called without an active exception").
-    return 0
+    # Leave without the interpreter's teardown: 4 of about 55 two-process runs of this worker
+    # aborted there after finishing ("terminate called without an active exception", gloo;
+    # with or without destroy_process_group), which torchrun reports as a failed run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------- one layout
@@ -613,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [WORKER_FLAG]:
-        sys.exit(worker(Path(sys.argv[2]), sys.argv[3:]))
+        worker(Path(sys.argv[2]), sys.argv[3:])  # leaves through os._exit
     if sys.argv[1:2] == [PREPARE_FLAG]:
         sys.exit(prepare_data(sys.argv[2:]))
     sys.exit(main())

@@ -71,8 +71,8 @@ class ZeroOneAdamW:
             ],
             device,
         )
-        self.decay_mask = decay[self.lo : self.hi]
-        self.tp_mask = tp_sharded[self.lo : self.hi]
+        self.decay_mask = decay[self.lo : self.hi].clone()  # a view would keep all N alive
+        self.tp_mask = tp_sharded[self.lo : self.hi].clone()
         self.grad_shard: torch.Tensor | None = None
         self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay}]
         self.betas, self.eps = (cfg.beta1, cfg.beta2), cfg.eps

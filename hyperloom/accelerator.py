@@ -157,3 +157,8 @@ def measure_matmul_tflops(kind: str, dtype_name: str, size: int = 0) -> float:
     tflops = 2 * n**3 / best / 1e12
     log.info("measured %s %s matmul peak: %.2f TFLOP/s (n=%d)", kind, dtype_name, tflops, n)
     return tflops
+
+
+def norm_accumulator(device: torch.device) -> torch.dtype:
+    """dtype for summing squared gradients: float64 wherever the device has it (not MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -295,16 +296,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
     _setup_logging(args.verbose)
+    if "RANK" in os.environ:
+        faulthandler.enable()  # a rank killed by a signal still shows where it was
     try:
         parse_overrides(args.overrides)  # syntax errors surface before any work
-        return args.func(args)
+        rc = args.func(args)
     except _user_errors() as exc:
         where = f" (rank {_rank()})" if "RANK" in os.environ else ""
         print(f"hyperloom {args.command}{where}: error: {exc}", file=sys.stderr)
-        return 2
+        rc = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        rc = 130
+    return _leave(rc)
+
+
+def _leave(rc: int) -> int:
+    """Finish a torchrun worker without running C++ destructors at interpreter exit.
+
+    Tearing down gloo process groups while Python finalises races with their worker
+    threads and occasionally aborts a rank that had finished cleanly ("terminate called
+    without an active exception"), which torchrun reports as a failed job. So a worker
+    that joined a process group meets the others at a barrier (when it succeeded), tears
+    the group down explicitly, flushes its output and leaves through `os._exit`.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return rc
+    if rc == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperloom.accelerator import norm_accumulator
 from hyperloom.config import TrainConfig
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.mesh import ParallelMesh
@@ -171,13 +172,15 @@ class ParallelModel:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
         dev = next(self.inner.parameters()).device
+        # Squares are summed in float64: a float32 norm of a 6M-element gradient is off by
+        # ~1e-4 relative on CPU, enough to make layouts disagree with one process. The
+        # foreach norm with a float64 accumulator still reads each gradient once.
+        acc = norm_accumulator(dev)
 
         def sq(gs):
-            # One read per gradient (foreach norm), as torch.nn.utils.clip_grad_norm_ does.
             if not gs:
-                return torch.zeros((), device=dev)
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in gs])
-            return torch.linalg.vector_norm(torch.stack(norms)) ** 2
+                return torch.zeros((), device=dev, dtype=acc)
+            return torch.stack(torch._foreach_norm(gs, dtype=acc)).square().sum()
 
         sharded_sq = sq(sharded)
         if self.tp_group is not None:
@@ -185,7 +188,7 @@ class ParallelModel:
         total_sq = sharded_sq + sq(replicated)
         if self.zero == 3 and self.mesh.group("dp") is not None:
             dist.all_reduce(total_sq, group=self.mesh.group("dp"))
-        total = total_sq.sqrt()
+        total = total_sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(sharded + replicated, coef)

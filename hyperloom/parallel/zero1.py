@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperloom.accelerator import norm_accumulator
 from hyperloom.config import TrainConfig
 
 
@@ -96,13 +97,16 @@ class ZeroOneAdamW:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm from the gradient shards (tp shards summed over tp, replicas once)."""
         g = self.grad_shard
-        sharded_sq = (g * g * self.tp_mask).sum()
-        replicated_sq = (g * g * (1 - self.tp_mask)).sum()
+        acc = norm_accumulator(g.device)
+        squares = g.square()
+        sharded_sq = (squares * self.tp_mask).sum(dtype=acc)
+        replicated_sq = squares.sum(dtype=acc) - sharded_sq
+        del squares
         if self.tp_group is not None:
             dist.all_reduce(sharded_sq, group=self.tp_group)
         total_sq = sharded_sq + replicated_sq
         dist.all_reduce(total_sq, group=self.group)
-        total = total_sq.sqrt()
+        total = total_sq.sqrt().float()
         if max_norm > 0:
             g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total

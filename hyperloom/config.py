@@ -105,6 +105,23 @@ class PrecisionConfig:
         "compute dtype; master weights and optimizer state stay fp32",
         choices=["bf16", "fp32"],
     )
+    fp8: str = knob(
+        "none",
+        "FP8 GEMMs in linear layers: none, or the scaling recipe (see hyperloom.engine.fp8)",
+        choices=["none", "delayed", "current", "rowwise", "blockwise", "mxfp8"],
+    )
+    fp8_keep: list[str] = knob(
+        doc="module path patterns (fnmatch) whose linears stay in high precision under fp8",
+        factory=lambda: [
+            "tok_embeddings",
+            "*embed*",
+            "output",
+            "lm_head",
+            "*router*",
+            "*.gate",
+            "*norm*",
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -556,6 +573,11 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"parallel.ep ({par.ep}) must divide dp({par.dp}) * cp({par.cp}) = "
                 f"{par.dp * par.cp} (experts fold over data x context parallel)"
             )
+    if cfg.precision.fp8 != "none" and par.tp > 1:
+        p.append(
+            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.tp = {par.tp}: FP8 under "
+            f"tensor parallelism (amax reduced over the tp group) is not built yet; use tp = 1"
+        )
     if p:
         raise ConfigError(p)
 

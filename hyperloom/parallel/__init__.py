@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hyperloom.config import JobConfig
+from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from hyperloom.parallel.parallelize import (
@@ -16,13 +17,16 @@ from hyperloom.parallel.parallelize import (
 
 
 def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
-    """Build the job's model on the meta device, apply TP/SP, initialise, wrap for DP.
+    """Build the job's model on the meta device, swap in FP8 linears (precision.fp8), apply
+    TP/SP, initialise, wrap for DP.
 
     Initialisation happens after the tensor-parallel swap (each rank allocates only its
     shards) and draws every tensor from the single-device init stream, so all layouts start
     from the same weights.
     """
     model = build_model(cfg.model)
+    if cfg.precision.fp8 != "none":
+        convert_to_fp8(model, recipe_from_name(cfg.precision.fp8), keep=cfg.precision.fp8_keep)
     sp_params = []
     if mesh.size("tp") > 1:
         sp_params = apply_tensor_parallel(
@@ -35,6 +39,7 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
     for name, spec in specs.items():
         model.get_parameter(name).shard_spec = spec
     model.init_weights(cfg.train.seed)
+    reset_fp8_state(model)  # to_empty left the delayed-scaling buffers uninitialised
     module = wrap_data_parallel(model, mesh, cfg.parallel.zero)
     return ParallelModel(module, model, mesh, cfg.parallel.zero, sp_params)
 

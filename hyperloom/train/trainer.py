@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
 from hyperloom.config import JobConfig, dumps_toml
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
+from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
 from hyperloom.parallel.state import (
@@ -108,6 +109,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "rng": self._per_rank(ckpt.rng_state(self.acc.rng_state())),
             "layout": self.mesh.describe(),
+            "fp8": fp8_state_dict(self.model),  # delayed-scaling amax histories and scales
         }
         path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
         if self.mesh.is_main:
@@ -142,6 +144,7 @@ class Trainer:
         try:
             load_full_model_state(self.pm, ckpt.load_model_state(path))
             load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
+            load_fp8_state_dict(self.model, state.get("fp8", {}))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} does not fit this job's model/optimizer "

@@ -1,0 +1,97 @@
+"""Swap a model's `nn.Linear` layers for FP8 ones, except those configured to stay high
+precision, and carry their scaling state.
+
+Which layers stay in BF16/FP32 is explicit configuration (`precision.fp8_keep`): fnmatch
+patterns over module paths. The defaults follow DeepSeek-V3 §3.3.1 and TE practice -- the
+embedding, the output head, MoE routers/gates and norms keep their precision, since they are
+cheap and numerically sensitive; the attention core (softmax(QKᵀ)V) is not an `nn.Linear`
+and is never converted. Conversion runs on the meta-device model before parallelization, and
+reuses each layer's Parameter objects, so parameter names (state dicts, tensor-parallel
+shard specs) do not change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hyperloom.engine.fp8.modules import Fp8GroupedLinear, Fp8Linear
+from hyperloom.engine.fp8.recipes import Recipe
+
+log = logging.getLogger("hyperloom.engine.fp8")
+
+DEFAULT_KEEP = ("tok_embeddings", "*embed*", "output", "lm_head", "*router*", "*.gate", "*norm*")
+
+
+def keeps(name: str, keep: Iterable[str]) -> bool:
+    """Whether module path `name` matches one of the keep patterns (full path or leaf)."""
+    leaf = name.rpartition(".")[2]
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in keep)
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: Recipe,
+    keep: Iterable[str] = DEFAULT_KEEP,
+    fp8_activation: bool = False,
+) -> list[str]:
+    """Replace every plain `nn.Linear` whose path matches no `keep` pattern by an
+    `Fp8Linear` using `recipe`, in place. Returns the converted module paths."""
+    keep = tuple(keep)
+    converted: list[str] = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or keeps(name, keep):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, Fp8Linear.from_linear(module, recipe, fp8_activation))
+        converted.append(name)
+    if not converted:
+        log.warning("convert_to_fp8: no nn.Linear left to convert (keep = %s)", list(keep))
+    log.info("FP8 (%s): %d linear layers converted", recipe.name, len(converted))
+    return converted
+
+
+def fp8_modules(model: nn.Module) -> Iterable[tuple[str, Fp8Linear | Fp8GroupedLinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, (Fp8Linear, Fp8GroupedLinear)):
+            yield name, m
+
+
+def reset_fp8_state(model: nn.Module) -> None:
+    """Empty amax histories and unit scales everywhere (after `to_empty`)."""
+    for _, m in fp8_modules(model):
+        m.reset_fp8_state()
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The delayed-scaling buffers of every FP8 module, by full name, on CPU."""
+    out = {}
+    for name, m in fp8_modules(model):
+        if m.fp8_amax_history is not None:
+            out[f"{name}.fp8_amax_history"] = m.fp8_amax_history.detach().cpu().clone()
+            out[f"{name}.fp8_scale"] = m.fp8_scale.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Restore what `fp8_state_dict` saved; the keys must match exactly."""
+    mine = fp8_state_dict(model)
+    if set(mine) != set(state):
+        missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        raise KeyError(
+            f"FP8 scaling state does not match: missing {missing[:4]}, extra {extra[:4]}"
+        )
+    for key, value in state.items():
+        buf = model.get_buffer(key)
+        if buf.shape != value.shape:
+            raise ValueError(
+                f"{key}: saved shape {tuple(value.shape)} != {tuple(buf.shape)} "
+                f"(was the amax history length changed?)"
+            )
+        buf.copy_(value)

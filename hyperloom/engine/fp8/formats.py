@@ -1,0 +1,87 @@
+"""FP8 formats and the element-wise cast: scale, saturate, round to nearest even.
+
+Two 8-bit formats (Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433):
+
+- E4M3 (`torch.float8_e4m3fn`): 4 exponent bits, 3 mantissa bits, largest finite 448. The
+  "fn" variant has no infinities and a single NaN encoding, which buys one more binade.
+- E5M2 (`torch.float8_e5m2`): 5 exponent bits, 2 mantissa bits, largest finite 57344; it
+  keeps IEEE infinities and NaNs.
+
+A *format choice* names which of the two each GEMM operand uses: "hybrid" (E4M3 for the
+forward tensors -- activations and weights -- and E5M2 for gradients, which need range more
+than precision; TransformerEngine's default) or "e4m3" (everywhere; DeepSeek-V3 §3.3, which
+gets away with it because fine-grained scales keep gradients in range).
+
+The cast is "saturating": values scaled past the format's largest finite value are clamped
+to it rather than overflowing. `torch`'s own float -> float8 conversion rounds to nearest,
+ties to even (checked in tests/unit/test_fp8_formats.py) but turns +-Inf into +-448 for
+E4M3, which would hide an overflow; `cast_to_fp8` maps Inf to NaN for E4M3 (it has no Inf)
+and keeps it for E5M2, so a non-finite input always stays visibly non-finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One 8-bit floating-point format."""
+
+    name: str
+    dtype: torch.dtype
+    max: float  # largest finite value
+    has_inf: bool
+
+
+E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, has_inf=False)
+E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, has_inf=True)
+
+FORMAT_CHOICES = ("hybrid", "e4m3")
+
+# Which role a tensor plays in a linear layer's three GEMMs. Forward roles are E4M3 under
+# both choices; gradient roles are E5M2 under "hybrid".
+FORWARD_ROLES = ("input", "weight")
+GRAD_ROLES = ("grad_output",)
+ROLES = FORWARD_ROLES + GRAD_ROLES
+
+
+def check_format_choice(choice: str) -> None:
+    if choice not in FORMAT_CHOICES:
+        raise ValueError(
+            f"fp8 format {choice!r} is not one of {FORMAT_CHOICES}: 'hybrid' = E4M3 forward and "
+            f"E5M2 gradients, 'e4m3' = E4M3 everywhere"
+        )
+
+
+def format_for(choice: str, role: str) -> Fp8Format:
+    """The format a tensor in `role` ("input", "weight", "grad_output") is cast to."""
+    check_format_choice(choice)
+    if role not in ROLES:
+        raise ValueError(f"fp8 tensor role {role!r} is not one of {ROLES}")
+    return E5M2 if (choice == "hybrid" and role in GRAD_ROLES) else E4M3
+
+
+def cast_to_fp8(x_scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Saturating, round-to-nearest-even cast of already scaled float values to `fmt`.
+
+    NaN stays NaN; +-Inf becomes NaN in E4M3 (no Inf encoding) and stays +-Inf in E5M2.
+    """
+    y = x_scaled.clamp(-fmt.max, fmt.max)  # clamp keeps NaN
+    inf = torch.isinf(x_scaled)
+    y = torch.where(inf, x_scaled if fmt.has_inf else torch.full_like(y, float("nan")), y)
+    return y.to(fmt.dtype)
+
+
+def quantize_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """q = cast(x * scale): `scale` is the multiplier (fp8_max / amax for current scaling)."""
+    return cast_to_fp8(x.float() * scale, fmt)
+
+
+def dequantize_tensorwise(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """x ~= q * scale_inv (scale_inv = 1 / scale)."""
+    return (q.float() * scale_inv).to(dtype)

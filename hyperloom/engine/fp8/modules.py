@@ -1,0 +1,308 @@
+"""FP8 linear layers: forward, data-gradient and weight-gradient GEMMs in FP8.
+
+For y = x Wᵀ (x (M, K), W (N, K)) the three GEMMs and their contraction dimensions are
+
+    fprop  y  = x  Wᵀ     over K:  x along K, W along K
+    dgrad  dx = dy W      over N:  dy along N, Wᵀ along N
+    wgrad  dW = dyᵀ x     over M:  dyᵀ along M, xᵀ along M
+
+Each operand is quantized along its contraction dimension (`recipes.quantize_for`). A
+quantized tensor whose scales survive transposition (one per tensor, or square 128 x 128
+blocks) is reused transposed; otherwise the transposed operand is quantized again from the
+high-precision tensor (rowwise, 1 x 128 tiles, MX 1 x 32), as TE and torchao do. GEMM
+outputs are FP32, returned in the autocast dtype (or the input's) for y and dx and in the
+weight's dtype for dW; bias and its gradient stay in high precision.
+
+With `fp8_activation=True` the activation saved for backward is the FP8 copy (1 byte per
+element instead of 2 or 4); recipes whose activation scales do not transpose dequantize it
+and re-tile it for the weight gradient, as DeepSeek-V3 does (§3.3.3), which adds a second
+rounding. Per-tensor recipes always save only the FP8 copy: it is exactly what wgrad uses.
+
+Delayed scaling keeps per-tensor amax histories and scales in buffers (`fp8_amax_history`
+(len, 3 * gemms), `fp8_scale` (3 * gemms,); columns input, weight, grad_output per GEMM),
+so `state_dict` and checkpoints carry them; other recipes are stateless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperloom.engine.fp8.formats import ROLES
+from hyperloom.engine.fp8.gemm import fp8_gemm
+from hyperloom.engine.fp8.recipes import CurrentScaling, DelayedScaling, DelayedState, Recipe
+from hyperloom.engine.fp8.recipes import quantize_for as _q
+
+# --------------------------------------------------------------------------- the context
+
+
+@dataclass(frozen=True)
+class _Autocast:
+    enabled: bool
+    recipe: Recipe | None
+
+
+_ACTIVE: contextvars.ContextVar[_Autocast | None] = contextvars.ContextVar(
+    "hyperloom_fp8_autocast", default=None
+)
+
+
+@contextlib.contextmanager
+def fp8_autocast(recipe: Recipe | None = None, enabled: bool = True):
+    """Inside, FP8 modules use `recipe` (None: each module's own) or, with enabled=False,
+    run their GEMMs in high precision (plain `F.linear`)."""
+    token = _ACTIVE.set(_Autocast(enabled, recipe))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_recipe(default: Recipe) -> Recipe | None:
+    """The recipe a module should use now, or None when FP8 is switched off."""
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        return default
+    if not ctx.enabled:
+        return None
+    return ctx.recipe or default
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@dataclass
+class _Plan:
+    recipe: Recipe
+    states: dict[str, DelayedState | None]
+    fp8_activation: bool
+    out_dtype: torch.dtype
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: _Plan):
+        with _no_autocast(x.device):
+            x2d = x.reshape(-1, x.shape[-1])  # (M, K)
+            qx = _q(x2d, plan.recipe, "input", plan.states["input"])
+            qw = _q(weight, plan.recipe, "weight", plan.states["weight"])
+            y = fp8_gemm(qx, qw)  # (M, N) fp32
+            if bias is not None:
+                y = y + bias.float()
+        ctx.plan, ctx.qw, ctx.x_shape, ctx.x_dtype = plan, qw, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        keep_fp8 = qx.transposable or plan.fp8_activation
+        ctx.qx = qx if keep_fp8 else None
+        ctx.save_for_backward(weight, None if keep_fp8 else x2d)
+        return y.to(plan.out_dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight, x2d = ctx.saved_tensors
+        plan, qw, qx = ctx.plan, ctx.qw, ctx.qx
+        dx = dw = db = None
+        with _no_autocast(dy.device):
+            dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
+            qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"])
+            if ctx.needs_input_grad[0]:
+                wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight")
+                dx = fp8_gemm(qdy, wt).to(ctx.x_dtype).view(ctx.x_shape)  # (…, K)
+            if ctx.needs_input_grad[1]:
+                dyt = qdy.t() if qdy.transposable else _q(dy2d.t(), plan.recipe, "grad_output")
+                if qx is not None and qx.transposable:
+                    xt = qx.t()
+                else:  # re-tile along M, from the FP8 copy when that is what was kept
+                    hp = qx.dequantize() if qx is not None else x2d
+                    xt = _q(hp.t(), plan.recipe, "input")
+                dw = fp8_gemm(dyt, xt).to(weight.dtype)  # (N, K)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2d.float().sum(0).to(weight.dtype)
+        return dx, dw, db, None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    states: dict[str, DelayedState | None] | None = None,
+    fp8_activation: bool = False,
+) -> torch.Tensor:
+    """y = x Wᵀ + b with all three GEMMs in FP8 -- the hook other linear layers (e.g.
+    tensor-parallel ones, on their weight shard) call instead of `F.linear`.
+
+    `states` maps each role to its `DelayedState` (delayed scaling only).
+    """
+    states = states or dict.fromkeys(ROLES)
+    if isinstance(recipe, DelayedScaling) and any(states[r] is None for r in ROLES):
+        raise ValueError(
+            "delayed scaling needs amax-history state for input, weight and grad_output; "
+            "build the layer with a DelayedScaling recipe (convert_to_fp8) to allocate it"
+        )
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
+            f"expects {weight.shape[-1]}"
+        )
+    plan = _Plan(recipe, states, fp8_activation, _out_dtype(x))
+    return _Fp8LinearFn.apply(x, weight, bias, plan)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class _Fp8State:
+    """Recipe, delayed-scaling buffers and their bookkeeping, shared by the FP8 modules."""
+
+    fp8_amax_history: torch.Tensor | None
+    fp8_scale: torch.Tensor | None
+
+    def _setup_fp8(self, recipe: Recipe, n_gemms: int, fp8_activation: bool, device) -> None:
+        self.recipe, self.fp8_activation, self.n_gemms = recipe, fp8_activation, n_gemms
+        if isinstance(recipe, DelayedScaling):
+            n = len(ROLES) * n_gemms
+            hist = torch.zeros(recipe.amax_history_len, n, device=device)
+            self.register_buffer("fp8_amax_history", hist)
+            self.register_buffer("fp8_scale", torch.ones(n, device=device))
+        else:
+            self.fp8_amax_history = self.fp8_scale = None
+
+    @torch.no_grad()
+    def reset_fp8_state(self) -> None:
+        """Empty histories, unit scales (call after `to_empty` materialises the module)."""
+        if self.fp8_amax_history is not None:
+            self.fp8_amax_history.zero_()
+            self.fp8_scale.fill_(1.0)
+
+    def _states(self, recipe: Recipe, gemm: int = 0) -> dict[str, DelayedState | None]:
+        if not isinstance(recipe, DelayedScaling) or self.fp8_amax_history is None:
+            return dict.fromkeys(ROLES)
+        base = len(ROLES) * gemm
+        return {
+            role: DelayedState(self.fp8_amax_history, self.fp8_scale, base + i)
+            for i, role in enumerate(ROLES)
+        }
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        # A state dict from a plain nn.Linear (or a stateless recipe) has no scaling state:
+        # keep this module's own instead of failing a strict load.
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing = args[2]  # (local_metadata, strict, missing_keys, unexpected_keys, errors)
+        for key in (f"{prefix}fp8_amax_history", f"{prefix}fp8_scale"):
+            if key in missing:
+                missing.remove(key)
+
+
+class Fp8Linear(_Fp8State, nn.Linear):
+    """Drop-in `nn.Linear` (same parameters and names) with FP8 GEMMs."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        recipe: Recipe | None = None,
+        fp8_activation: bool = False,
+    ):
+        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._setup_fp8(recipe or CurrentScaling(), 1, fp8_activation, self.weight.device)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: Recipe, fp8_activation: bool = False
+    ) -> Fp8Linear:
+        """Wrap `linear`'s own Parameter objects (works on the meta device)."""
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            recipe=recipe,
+            fp8_activation=fp8_activation,
+        )
+        new.weight, new.bias = linear.weight, linear.bias
+        if new.fp8_amax_history is not None:  # move the (meta) scaling state to the weights
+            dev = linear.weight.device
+            new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=dev)
+            new.fp8_scale = torch.ones_like(new.fp8_scale, device=dev)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = active_recipe(self.recipe)
+        if recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(
+            x, self.weight, self.bias, recipe, self._states(recipe), self.fp8_activation
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+class Fp8GroupedLinear(_Fp8State, nn.Module):
+    """Per-group linears for MoE experts: tokens sorted by group, weight (groups, out, in).
+
+    Runs one FP8 linear per non-empty group (the fallback of a grouped GEMM such as
+    DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous`); each group has its own scaling state.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        recipe: Recipe | None = None,
+        fp8_activation: bool = False,
+    ):
+        super().__init__()
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.zeros(num_groups, out_features, **kw)) if bias else None
+        bound = in_features**-0.5  # nn.Linear's default uniform init, per expert
+        if self.weight.device.type != "meta":
+            nn.init.uniform_(self.weight, -bound, bound)
+        self._setup_fp8(recipe or CurrentScaling(), num_groups, fp8_activation, device)
+
+    def forward(self, x: torch.Tensor, group_sizes: list[int] | torch.Tensor) -> torch.Tensor:
+        """x (tokens, in) with the tokens of group g in the g-th run of `group_sizes[g]`
+        rows -> (tokens, out)."""
+        sizes = group_sizes.tolist() if torch.is_tensor(group_sizes) else list(group_sizes)
+        if len(sizes) != self.weight.shape[0] or sum(sizes) != x.shape[0]:
+            raise ValueError(
+                f"group_sizes {sizes} must have {self.weight.shape[0]} entries summing to the "
+                f"{x.shape[0]} tokens of x"
+            )
+        recipe = active_recipe(self.recipe)
+        outs = []
+        for g, xs in enumerate(x.split(sizes)):
+            w, b = self.weight[g], None if self.bias is None else self.bias[g]
+            if xs.shape[0] == 0:  # idle expert: nothing to do, its state is left alone
+                outs.append(xs.new_zeros(0, w.shape[0], dtype=_out_dtype(xs)))
+            elif recipe is None:
+                outs.append(F.linear(xs, w, b))
+            else:
+                states = self._states(recipe, g)
+                outs.append(fp8_linear(xs, w, b, recipe, states, self.fp8_activation))
+        return torch.cat(outs)  # (tokens, out)

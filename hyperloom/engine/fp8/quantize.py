@@ -1,0 +1,171 @@
+"""Blocked quantization: one scale per (rows x cols) block of a 2-D tensor.
+
+Every scaling granularity is a block shape over a matrix whose *last* dimension is the GEMM's
+contraction dimension K:
+
+- per tensor: one block covering the whole (M, K) matrix;
+- per row: (1, K) blocks, one scale per row (torchao's "rowwise");
+- DeepSeek-V3 tiles: (1, 128) for activations and gradients, (128, 128) for weights;
+- MX: (1, 32) blocks with power-of-two (E8M0) scales.
+
+Shapes that are not multiples of the block are zero-padded for the amax and the scaling
+(zeros never raise an amax) and cropped afterwards, so the stored `data` always has the
+original shape and `scale_inv` has ceil(M / block_rows) x ceil(K / block_cols) entries.
+
+Scales follow TransformerEngine's `compute_scale_from_amax`
+(transformer_engine/common/recipe/recipe_common.cuh): amax is floored at an epsilon; an amax
+of zero or +-Inf gives scale 1 (so an all-zero tile has a finite scale and quantizes to
+zeros); a scale that overflows FP32 becomes FP32's max; optionally the scale is rounded
+*down* to a power of two, which makes scaling and unscaling exact and only ever lowers the
+scaled amax (never saturates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hyperloom.engine.fp8.formats import Fp8Format, cast_to_fp8
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass
+class Fp8Tensor:
+    """An FP8 matrix with its dequantization scales, one per `block` of (rows, cols)."""
+
+    data: torch.Tensor  # (M, K) float8, the original (unpadded) shape
+    scale_inv: torch.Tensor  # (ceil(M / block[0]), ceil(K / block[1])) float32
+    block: tuple[int, int]
+    fmt: Fp8Format
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def is_tensorwise(self) -> bool:
+        return self.scale_inv.numel() == 1
+
+    @property
+    def transposable(self) -> bool:
+        """Whether the transpose still has its scale blocks along the (new) contraction
+        dimension: true for one scale per tensor and for square blocks."""
+        return self.is_tensorwise or self.block[0] == self.block[1]
+
+    def t(self) -> Fp8Tensor:
+        """The transpose, sharing storage (no requantization)."""
+        return Fp8Tensor(self.data.t(), self.scale_inv.t(), self.block[::-1], self.fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * expand_scales(self.scale_inv, self.block, self.shape)).to(dtype)
+
+    def scale_e8m0(self) -> torch.Tensor:
+        """The scales as E8M0 bytes (OCP MX): only valid for power-of-two scales."""
+        return self.scale_inv.to(torch.float8_e8m0fnu)
+
+
+def expand_scales(
+    scale_inv: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Per-block scales broadcast to one per element of a (rows, cols) matrix."""
+    rows, cols = shape
+    s = scale_inv.repeat_interleave(min(block[0], rows), 0)[:rows]
+    return s.repeat_interleave(min(block[1], cols), 1)[:, :cols]  # (rows, cols)
+
+
+def scale_from_amax(
+    amax: torch.Tensor, fmt_max: float, eps: float = 0.0, pow2: bool = False
+) -> torch.Tensor:
+    """The quantization multiplier fmt_max / amax, with TE's handling of extremes."""
+    amax = amax.float()
+    safe = torch.clamp(amax, min=eps) if eps > 0 else amax
+    scale = fmt_max / safe
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    degenerate = (safe == 0) | ~torch.isfinite(safe)
+    scale = torch.where(degenerate, torch.ones_like(scale), scale)
+    if pow2:
+        scale = round_down_pow2(scale)
+    return scale
+
+
+def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 x) for positive finite x, exactly (through frexp, not log2)."""
+    _, exp = torch.frexp(x)  # x = m * 2^exp, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exp - 1)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |x| over each block of a 2-D tensor (zero-padded), (ceil(M/br), ceil(K/bc))."""
+    padded, (mb, br, kb, bc) = _pad_to_blocks(x, block)
+    return padded.abs().view(mb, br, kb, bc).amax(dim=(1, 3))
+
+
+def _pad_to_blocks(
+    x: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    if x.dim() != 2:
+        raise ValueError(f"blocked quantization takes a 2-D (rows, K) tensor, got {tuple(x.shape)}")
+    rows, cols = x.shape
+    br, bc = min(block[0], rows), min(block[1], cols)
+    mb, kb = -(-rows // br), -(-cols // bc)
+    pad_r, pad_c = mb * br - rows, kb * bc - cols
+    x = x.float().contiguous()
+    if pad_r or pad_c:
+        x = F.pad(x, (0, pad_c, 0, pad_r))
+    return x, (mb, br, kb, bc)
+
+
+def quantize_blocks(
+    x: torch.Tensor, block: tuple[int, int], fmt: Fp8Format, scale: torch.Tensor
+) -> Fp8Tensor:
+    """Quantize a 2-D tensor with the given per-block multipliers `scale` (mb, kb)."""
+    rows, cols = x.shape
+    padded, (mb, br, kb, bc) = _pad_to_blocks(x, block)
+    scaled = padded.view(mb, br, kb, bc) * scale.view(mb, 1, kb, 1)
+    data = cast_to_fp8(scaled.view(mb * br, kb * bc)[:rows, :cols], fmt)
+    return Fp8Tensor(data, (1.0 / scale).float(), (br, bc), fmt)
+
+
+def quantize_current(
+    x: torch.Tensor, block: tuple[int, int], fmt: Fp8Format, eps: float = 0.0, pow2: bool = False
+) -> Fp8Tensor:
+    """Scales from this tensor's own amax per block (current / rowwise / blockwise)."""
+    scale = scale_from_amax(block_amax(x, block), fmt.max, eps, pow2)
+    return quantize_blocks(x, block, fmt, scale)
+
+
+def quantize_mx(x: torch.Tensor, block_cols: int, fmt: Fp8Format, rounding: str) -> Fp8Tensor:
+    """OCP MX quantization: (1, block_cols) blocks sharing an E8M0 (power-of-two) scale.
+
+    rounding "ceil" (TransformerEngine / NVIDIA): scale_inv = 2^ceil(log2(amax / fmt_max)),
+    so the block's amax lands at or below fmt_max and nothing saturates. rounding "floor"
+    (the OCP MX v1.0 reference conversion, §6.3): scale_inv = 2^(floor(log2 amax) - emax)
+    with emax = 8 for E4M3, which keeps one more bit of the largest values but may clamp them.
+    An all-zero block gets the smallest E8M0 scale 2^-127; a block holding NaN or Inf gets
+    the NaN scale, which by the spec makes the whole block NaN.
+    """
+    amax = block_amax(x, (1, block_cols))
+    if rounding == "ceil":
+        mant, exp = torch.frexp(amax / fmt.max)
+        exp = torch.where(mant == 0.5, exp - 1, exp)  # exact powers of two: ceil(log2) = exp-1
+    elif rounding == "floor":
+        _, exp = torch.frexp(amax)
+        exp = exp - 1 - _emax(fmt)
+    else:
+        raise ValueError(f"MX scale rounding {rounding!r} is not one of 'ceil', 'floor'")
+    exp = torch.where(amax == 0, torch.full_like(exp, -127), exp).clamp(-127, 127)
+    scale_inv = torch.ldexp(torch.ones_like(amax), exp)
+    scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, float("nan")))
+    # 1 / 2^-127 overflows FP32; an all-zero block quantizes to zeros whatever its multiplier.
+    scale = torch.where(amax == 0, torch.ones_like(amax), 1.0 / scale_inv)
+    q = quantize_blocks(x, (1, block_cols), fmt, scale)
+    q.scale_inv = scale_inv
+    return q
+
+
+def _emax(fmt: Fp8Format) -> int:
+    """Exponent of the format's largest normal binade (E4M3: 448 = 1.75 * 2^8 -> 8)."""
+    return int(torch.frexp(torch.tensor(fmt.max))[1].item()) - 1

@@ -1,0 +1,239 @@
+"""FP8 scaling recipes: how each GEMM operand gets its scale, and what that costs.
+
+An FP8 number has 3 (E4M3) or 2 (E5M2) mantissa bits and a narrow range (E4M3 spans about
+2^-9 .. 448), so a tensor must be multiplied by a scale that maps its largest magnitude
+(amax) near the top of the range before the cast, and the GEMM output multiplied back by
+1 / scale. The recipes differ in *which* amax sets the scale and *how many elements share
+one scale*; that choice trades memory reads, outlier robustness and kernel simplicity.
+
+**Delayed scaling** (TransformerEngine `DelayedScaling`; Micikevicius et al., arXiv
+2209.05433). One scale per tensor, computed from a history of past amaxes, not the current
+tensor: scale = fp8_max / amax / 2^margin, where amax is the max of the last
+`amax_history_len` amaxes ("max") or the latest one ("most_recent"). Casting then needs one
+read of the tensor (no amax pass first) -- the reason it exists -- at the price of clipping
+whenever the tensor grows faster than the history predicts; `margin` buys headroom by
+lowering the scale by powers of two. TE's bookkeeping is kept exactly: position 0 of the
+history receives the amax just observed; at the next update the scale is computed from the
+whole window, then the window is rotated (the oldest entry dropped) and position 0 zeroed.
+An amax that is 0 or non-finite leaves the previous scale in place (TE's
+`_default_sf_compute`). TE updates once per `fp8_autocast` exit; we update right before each
+quantization of that tensor, which is the same sequence when each module runs once per
+autocast region, and needs no global registry of modules.
+
+**Current scaling** (TE `Float8CurrentScaling`). One scale per tensor from this tensor's own
+amax: two reads (amax, then cast) but never stale, so no clipping. Both per-tensor recipes
+let a single outlier squeeze every other value towards the subnormals. Default format
+"hybrid": E4M3 forward, E5M2 gradients.
+
+**Per-row scaling** (torchao float8 "rowwise"; `torch._scaled_mm` with (M, 1) x (1, N)
+scales). One scale per row of each GEMM operand along the contraction dimension: an outlier
+only costs its own row (token / output channel) precision. The backward GEMMs contract over
+other dimensions, so the weight and the activation are quantized again along columns
+(a transposed copy), which costs an extra read each. Default format E4M3 everywhere.
+
+**Blockwise** (DeepSeek-V3, arXiv 2412.19437 §3.3; TE `Float8BlockScaling`; DeepGEMM).
+Activations and gradients get one scale per 1 x 128 tile (a token's 128 channels), weights
+one per 128 x 128 block. Outliers are confined to 128 elements, so E4M3 suffices for
+gradients too. Because scales change every 128 elements along K, the GEMM must apply them to
+partial sums: DeepSeek found that H800 tensor cores accumulate FP8 products in roughly 14
+bits (about 2% error at K = 4096), so partial sums are promoted to FP32 every N_C = 128
+elements, scaled and accumulated there -- which also fixes the accumulation error. Scales
+may be rounded down to powers of two (TE's default, and DeepSeek's choice for cached and
+communicated activations) so rescaling is exact. The 128 x 128 weight block is symmetric, so
+the transposed weight for the data-gradient GEMM reuses the forward quantization; the 1 x 128
+activation tiles are not, so the weight-gradient GEMM re-tiles activations and gradients to
+128 x 1 (DeepSeek §3.3.2).
+
+**MXFP8** (OCP Microscaling Formats v1.0; TE `MXFP8BlockScaling`, Blackwell). 1 x 32 blocks
+whose shared scale is an E8M0 power of two: finer than blockwise and hardware-native on
+Blackwell, at the cost of a coarser (power-of-two) scale. By default the scale exponent is
+ceil(log2(amax / 448)) as in TE (never saturates); the OCP reference rounding
+floor(log2 amax) - 8 is available.
+
+Every recipe here needs no communication between ranks except delayed and current scaling
+under tensor parallelism, whose per-tensor amax must be reduced over the shards of a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperloom.engine.fp8.formats import check_format_choice, format_for
+from hyperloom.engine.fp8.quantize import (
+    Fp8Tensor,
+    quantize_blocks,
+    quantize_current,
+    quantize_mx,
+    scale_from_amax,
+)
+
+RECIPE_NAMES = ("delayed", "current", "rowwise", "blockwise", "mxfp8")
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class _RecipeBase:
+    fp8_format: str = "e4m3"  # "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3"
+
+    def __post_init__(self) -> None:
+        check_format_choice(self.fp8_format)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(_RecipeBase):
+    """Per-tensor scale from a window of past amaxes (TE defaults)."""
+
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    name = "delayed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(
+                f"amax_compute_algo {self.amax_compute_algo!r} is not one of {AMAX_ALGOS}"
+            )
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0 (powers of two of headroom), got {self.margin}")
+
+
+@dataclass(frozen=True)
+class CurrentScaling(_RecipeBase):
+    """Per-tensor scale from the tensor's own amax."""
+
+    fp8_format: str = "hybrid"
+    amax_epsilon: float = 0.0
+    power_2_scale: bool = False
+
+    name = "current"
+
+
+@dataclass(frozen=True)
+class RowwiseScaling(CurrentScaling):
+    """One scale per row along the contraction dimension (current amax of each row)."""
+
+    fp8_format: str = "e4m3"
+
+    name = "rowwise"
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling(_RecipeBase):
+    """DeepSeek-V3 1 x 128 activation/gradient tiles, 128 x 128 weight blocks."""
+
+    block: int = 128
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    name = "blockwise"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+
+
+@dataclass(frozen=True)
+class MXFP8Scaling(_RecipeBase):
+    """OCP MX: 1 x 32 blocks with E8M0 scales."""
+
+    block: int = 32
+    scale_rounding: str = "ceil"
+
+    name = "mxfp8"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"scale_rounding {self.scale_rounding!r} is not one of 'ceil' (TE), 'floor' (OCP)"
+            )
+
+
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXFP8Scaling
+
+
+def recipe_from_name(name: str) -> Recipe:
+    """The recipe for a `precision.fp8` value, with its default settings."""
+    table = {
+        "delayed": DelayedScaling,
+        "current": CurrentScaling,
+        "rowwise": RowwiseScaling,
+        "blockwise": BlockwiseScaling,
+        "mxfp8": MXFP8Scaling,
+    }
+    if name not in table:
+        raise ValueError(f"fp8 recipe {name!r} is not one of {RECIPE_NAMES}")
+    return table[name]()
+
+
+class DelayedState:
+    """A view of one tensor's amax history (one column of a module's history buffer) and
+    its scale, updated in place (the buffers are module state, so checkpoints carry them)."""
+
+    def __init__(self, history: torch.Tensor, scale: torch.Tensor, column: int):
+        self.history, self.scale, self.column = history, scale, column
+
+    @torch.no_grad()
+    def update_scale(self, recipe: DelayedScaling, fmt_max: float) -> torch.Tensor:
+        """Scale from the window, then rotate it (TE's order). Returns the new scale."""
+        h = self.history[:, self.column]  # (len,), a view
+        amax = h.max() if recipe.amax_compute_algo == "max" else h[0]
+        new = fmt_max / amax / (2.0**recipe.margin)
+        keep = (amax <= 0) | ~torch.isfinite(amax)
+        new = torch.where(keep, self.scale[self.column], new)
+        self.scale[self.column] = new
+        h.copy_(torch.roll(h, -1))
+        h[0] = 0.0
+        return new
+
+    @torch.no_grad()
+    def record(self, amax: torch.Tensor) -> None:
+        self.history[0, self.column] = amax
+
+
+def quantize_for(
+    x: torch.Tensor, recipe: Recipe, role: str, state: DelayedState | None = None
+) -> Fp8Tensor:
+    """Quantize a 2-D (rows, K) operand for `role` ("input", "weight", "grad_output") with
+    `recipe`; K, the last dimension, is the GEMM's contraction dimension."""
+    fmt = format_for(recipe.fp8_format, role)
+    rows, cols = x.shape
+    if isinstance(recipe, DelayedScaling):
+        if state is None:
+            raise ValueError("delayed scaling needs the tensor's DelayedState (amax history)")
+        scale = state.update_scale(recipe, fmt.max)
+        q = quantize_blocks(x, (rows, cols), fmt, scale.view(1, 1))
+        state.record(x.detach().abs().amax().float())
+        return q
+    if isinstance(recipe, CurrentScaling):  # and RowwiseScaling, its subclass
+        block = (1, cols) if isinstance(recipe, RowwiseScaling) else (rows, cols)
+        return quantize_current(x, block, fmt, recipe.amax_epsilon, recipe.power_2_scale)
+    if isinstance(recipe, BlockwiseScaling):
+        b = recipe.block
+        block = (b, b) if role == "weight" else (1, b)
+        return quantize_current(x, block, fmt, recipe.amax_epsilon, recipe.power_2_scale)
+    if isinstance(recipe, MXFP8Scaling):
+        return quantize_mx(x, recipe.block, fmt, recipe.scale_rounding)
+    raise TypeError(f"not an FP8 recipe: {recipe!r}")
+
+
+__all__ = [
+    "BlockwiseScaling",
+    "CurrentScaling",
+    "DelayedScaling",
+    "DelayedState",
+    "MXFP8Scaling",
+    "Recipe",
+    "RowwiseScaling",
+    "quantize_for",
+    "recipe_from_name",
+    "scale_from_amax",
+]

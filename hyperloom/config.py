@@ -201,6 +201,24 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class OpsConfig:
+    """Fused operators (hyperloom.engine.ops): RMSNorm, SwiGLU, RoPE, cross-entropy, attention."""
+
+    fused: bool = knob(True, "use the fused operators (false = plain reference PyTorch)")
+    compile: bool = knob(
+        True, "build the fused kernels with torch.compile (false = same algorithms, eager)"
+    )
+    reference: list[str] = knob(
+        doc="ops kept on the reference path when fused: rmsnorm, swiglu, rope, "
+        "cross_entropy, attention",
+        factory=list,
+    )
+    ce_chunk_tokens: int = knob(
+        0, "tokens per chunk of the fused cross-entropy (0 = logits chunk ~ hidden size)"
+    )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole training job."""
 
@@ -211,6 +229,7 @@ class JobConfig:
     data: DataConfig = knob(doc="data", factory=DataConfig)
     checkpoint: CheckpointConfig = knob(doc="checkpoints", factory=CheckpointConfig)
     logging: LoggingConfig = knob(doc="reporting", factory=LoggingConfig)
+    ops: OpsConfig = knob(doc="fused operators", factory=OpsConfig)
 
 
 # --------------------------------------------------------------------------- raw dicts

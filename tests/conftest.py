@@ -36,6 +36,9 @@ def hyperloom_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mp = pytest.MonkeyPatch()
     mp.setenv("HYPERLOOM_CACHE", str(cache))
     mp.setenv("OMP_NUM_THREADS", "1")
+    # Fused operators run their kernels eagerly: torch.compile costs seconds per graph here,
+    # and the unit tests check arithmetic (tests/unit/test_ops_compile.py compiles on purpose).
+    mp.setenv("HYPERLOOM_OPS_COMPILE", "0")
     mp.delenv("WORLD_SIZE", raising=False)  # validation compares the parallel layout to it
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -19,7 +19,9 @@ Activations are batch-first, (batch, seq, features); the sequence dimension is 1
 
 The output head is vocab-parallel and feeds `vocab_parallel_cross_entropy`, which needs only
 three all-reduces of (batch, seq) scalars: the full (batch, seq, vocab) logits never exist on
-one rank.
+one rank. With the fused cross-entropy (`VocabParallelHead.loss`), not even this rank's
+(batch, seq, vocab / tp) slice does: the engine's chunked `linear_cross_entropy` computes it
+a chunk of tokens at a time and calls back here for the two per-chunk all-reduces.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from hyperloom.engine.ops import linear_cross_entropy
 
 SEQ_DIM = 1
 
@@ -41,8 +45,12 @@ def _rank(group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    return _all_reduce_op(x, group, dist.ReduceOp.SUM)
+
+
+def _all_reduce_op(x: torch.Tensor, group, op) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -226,6 +234,29 @@ class VocabParallelHead(nn.Module):
         weight = self._source.weight if self.tied else self.weight
         h = gather_seq(h, self.group) if self.sequence_parallel else copy_to_tp(h, self.group)
         return F.linear(h, weight)
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int = 0):
+        """Mean cross-entropy of this head on h against labels (b, s), vocab-parallel:
+        chunked and fused with the projection unless `impl` is "reference"."""
+        if impl == "reference":
+            return vocab_parallel_cross_entropy(self(h), labels, self.group)
+        weight = self._source.weight if self.tied else self.weight
+        h = gather_seq(h, self.group) if self.sequence_parallel else copy_to_tp(h, self.group)
+        group = self.group
+
+        def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+            reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            return _all_reduce_op(t, group, reduce_op)
+
+        return linear_cross_entropy(
+            h,
+            weight,
+            labels,
+            chunk_tokens=chunk_tokens,
+            vocab_start=_rank(group) * weight.shape[0],
+            all_reduce=all_reduce if group is not None else None,
+            impl=impl,
+        )
 
 
 class _VocabParallelCE(torch.autograd.Function):

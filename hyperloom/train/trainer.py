@@ -28,6 +28,7 @@ from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
 from hyperloom.config import JobConfig, dumps_toml
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
+from hyperloom.engine.ops import OpImpls
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
 from hyperloom.parallel.state import (
@@ -67,6 +68,8 @@ class Trainer:
         self.data = data or self._build_data()
         self.pm = parallelize(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
+        o = cfg.ops  # which operator implementations the model calls (engine.ops)
+        self.model.use_ops(OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens))
         self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
         self.optimizer = self.pm.make_optimizer(t)
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a
@@ -181,8 +184,9 @@ class Trainer:
             inputs, labels = self._local_batch()
             with self.pm.sync_context(last_micro_batch=i == t.grad_accum - 1):
                 with self.acc.autocast(self.dtype):
-                    logits = self.fwd(inputs)  # (b, s, vocab), or a vocab shard under tp
-                loss = self.pm.loss(logits, labels) / t.grad_accum
+                    # The model computes its own loss from the final hidden states, so a
+                    # fused head never materialises the logits (vocab-parallel under tp).
+                    loss = self.fwd(inputs, labels=labels) / t.grad_accum
                 loss.backward()
             total += loss.detach()
         grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)
@@ -218,8 +222,8 @@ class Trainer:
         losses = []
         for inputs, labels in self.val:
             with self.acc.autocast(self.dtype):
-                logits = self.fwd(inputs.to(self.acc.device))
-            losses.append(self.pm.loss(logits, labels.to(self.acc.device)))
+                loss = self.fwd(inputs.to(self.acc.device), labels=labels.to(self.acc.device))
+            losses.append(loss)
         self.pm.reshard()
         return torch.stack(losses).mean().item()  # every rank saw the same batches
 

@@ -1,5 +1,38 @@
-"""Operators for the memory-bound parts of a transformer (reference implementations)."""
+"""Operators for the memory-bound parts of a transformer: a plain reference implementation of
+each and a fused one (custom autograd that saves little, kernels built by torch.compile).
 
-from hyperloom.engine.ops.rope import apply_rope, rope_inv_freq, rope_tables
+`impl` selects per call: "reference", "fused" or "fused_eager" (same algorithm, eager
+kernels); `OpImpls` holds a model's choice, made from the `ops` config section.
+"""
 
-__all__ = ["apply_rope", "rope_inv_freq", "rope_tables"]
+from hyperloom.engine.ops.attention import attention, attention_reference, sdpa_backends
+from hyperloom.engine.ops.cross_entropy import (
+    auto_chunk_tokens,
+    cross_entropy_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from hyperloom.engine.ops.rmsnorm import rms_norm, rms_norm_reference
+from hyperloom.engine.ops.rope import apply_rope, rope, rope_inv_freq, rope_tables
+from hyperloom.engine.ops.select import OPS, OpImpls
+from hyperloom.engine.ops.swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "OPS",
+    "OpImpls",
+    "apply_rope",
+    "attention",
+    "attention_reference",
+    "auto_chunk_tokens",
+    "cross_entropy_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_inv_freq",
+    "rope_tables",
+    "sdpa_backends",
+    "swiglu",
+    "swiglu_reference",
+]

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) with Llama-3.1 frequency scaling — reference path.
+"""Rotary position embedding (RoPE) with Llama-3.1 frequency scaling: reference and fused.
 
 RoPE (Su et al., arXiv 2104.09864) rotates each pair of channels of a query/key by an angle
 proportional to the token position, so the attention score depends only on relative
@@ -12,6 +12,15 @@ Llama 3.1 extends the context by rescaling the inverse frequencies (Meta's
 longer than `original_max / low_freq_factor` are divided by `factor`, and the band in between
 is interpolated smoothly. The tables are computed in float64 and stored in float32, since an
 fp32 `arange * inv_freq` loses precision at positions of 100k+.
+
+Decoupled RoPE (DeepSeek-V2 MLA, arXiv 2405.04434 §2.1.3): only the trailing `rope_dim`
+channels of each head carry position; the rest (the "nope" part) pass through, and the key's
+rotary part is one head shared by all query heads. Both forms are covered by passing tables
+narrower than the head, (seq, rope_dim), and/or a key of shape (batch, seq, 1, rope_dim).
+
+The fused operator saves nothing but the cos/sin tables (shared by every layer) for backward,
+because the rotation is linear and orthogonal: the input gradient is the gradient rotated by
+the opposite angle, ∂x = ∂y·cos + rotate_halfᵀ(∂y·sin), with rotate_halfᵀ([a, b]) = [b, −a].
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from hyperloom.engine.ops.kernels import check_impl, kernel
 
 
 def rope_inv_freq(
@@ -57,12 +68,63 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (batch, seq, heads, head_dim) by tables of shape (seq, head_dim).
+def rotate_half_t(x: torch.Tensor) -> torch.Tensor:
+    """The transpose (= inverse) of `rotate_half`."""
+    half = x.shape[-1] // 2
+    return torch.cat([x[..., half:], -x[..., :half]], dim=-1)
 
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (batch, seq, heads, head_dim) by tables of shape (seq, rope_dim).
+
+    rope_dim < head_dim rotates only the trailing rope_dim channels (decoupled RoPE).
     Computed in float32 and returned in x's dtype, so bf16 activations keep exact angles.
     """
+    rope_dim = cos.shape[-1]
+    if rope_dim < x.shape[-1]:
+        keep, rot = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([keep, apply_rope(rot, cos, sin)], dim=-1)
     cos = cos[None, :, None, :]  # (1, seq, 1, head_dim)
     sin = sin[None, :, None, :]
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+@kernel
+def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return apply_rope(x, cos, sin)
+
+
+@kernel
+def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rope_dim = cos.shape[-1]
+    keep, rot = dy.split([dy.shape[-1] - rope_dim, rope_dim], dim=-1)
+    g = rot.float()
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, seq, 1, rope_dim)
+    drot = (g * cos + rotate_half_t(g * sin)).to(dy.dtype)
+    return torch.cat([keep, drot], dim=-1)
+
+
+class _FusedRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, compile):
+        ctx.save_for_backward(cos, sin)  # tables only: no activation is kept
+        ctx.compile = compile
+        return _rope_fwd(x, cos, sin, compile=compile)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope_bwd(dy, cos, sin, compile=ctx.compile), None, None, None
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "fused"
+) -> torch.Tensor:
+    """`apply_rope` through the chosen implementation (see `hyperloom.engine.ops.rms_norm`)."""
+    check_impl(impl)
+    if cos.shape[-1] > x.shape[-1] or cos.shape[-1] % 2:
+        raise ValueError(f"rope tables of width {cos.shape[-1]} do not fit head_dim {x.shape[-1]}")
+    if impl == "reference":
+        return apply_rope(x, cos, sin)
+    return _FusedRoPE.apply(x, cos, sin, impl == "fused")

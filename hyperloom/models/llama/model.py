@@ -2,8 +2,12 @@
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al., arXiv
 2302.13971; Llama 3, arXiv 2407.21783). Attention is grouped-query (Ainslie et al., arXiv
-2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling) from
-`hyperloom.engine.ops.rope`. Parameter names follow Meta's reference code (`tok_embeddings`,
+2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling). The
+memory-bound pieces -- RMSNorm fused with the residual add before it, SwiGLU, RoPE, attention
+and the output head with its cross-entropy -- are `hyperloom.engine.ops` calls whose
+implementation (`OpImpls`: reference, fused) the model holds in `self.ops` and `use_ops`
+sets. Given labels, `forward` returns the mean loss instead of logits, so the fused head never
+materialises the (tokens, vocab) logits. Parameter names follow Meta's reference code (`tok_embeddings`,
 `layers.N.attention.wq`, `feed_forward.w1`, ...); `hyperloom.models.llama.hf` maps them to
 Hugging Face names.
 
@@ -22,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperloom.config import ModelConfig
-from hyperloom.engine.ops.rope import apply_rope, rope_inv_freq, rope_tables
+from hyperloom.engine import ops
+from hyperloom.engine.ops import OpImpls
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.ops = OpImpls()
 
     def forward(
         self,
@@ -84,7 +90,7 @@ class Attention(nn.Module):
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv, d)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         seq = q.shape[1]  # the full sequence, also when x arrives sequence-parallel
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, cos, sin, self.ops.rope), ops.rope(k, cos, sin, self.ops.rope)
         if cache is not None:
             k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
         # SDPA wants (b, heads, s, d).
@@ -92,7 +98,7 @@ class Attention(nn.Module):
         if start_pos == 0:
             # Grouped-query attention inside SDPA: each kv head serves n_heads / n_kv_heads
             # consecutive query heads, without copying k and v for every query head.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = ops.attention(q, k, v, is_causal=True, impl=self.ops.attention)
         elif seq == 1:
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # sees everything
         else:
@@ -116,21 +122,24 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.ops = OpImpls()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(ops.swiglu(self.w1(x), self.w3(x), self.ops.swiglu))
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich, arXiv 1910.07467), normalised in float32."""
+    """RMSNorm (Zhang & Sennrich, arXiv 1910.07467), normalised in float32. Given a residual,
+    normalises `residual + x` and also returns that sum (the fused add + norm)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = OpImpls()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.ops.rmsnorm)
 
 
 class TransformerBlock(nn.Module):
@@ -142,8 +151,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, cache=None, start_pos=0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+        a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        h, x = self.ffn_norm(a, residual=x)  # x <- x + a, h = norm(x), in one pass
+        return x + self.feed_forward(h)
 
 
 class Llama(nn.Module):
@@ -159,6 +169,14 @@ class Llama(nn.Module):
         cos, sin = self._rope_tables(torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.ops = OpImpls()
+
+    def use_ops(self, impls: OpImpls) -> Llama:
+        """Select the operator implementations for every module of the model."""
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = impls
+        return self
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -166,7 +184,7 @@ class Llama(nn.Module):
         if device.type == "meta":
             empty = torch.empty(c.max_seq_len, head_dim, device=device)
             return empty, empty.clone()
-        inv = rope_inv_freq(
+        inv = ops.rope_inv_freq(
             head_dim,
             c.rope_theta,
             c.rope_scaling,
@@ -174,7 +192,7 @@ class Llama(nn.Module):
             c.rope_high_freq_factor,
             c.rope_original_max_seq,
         )
-        cos, sin = rope_tables(inv, c.max_seq_len)
+        cos, sin = ops.rope_tables(inv, c.max_seq_len)
         return cos.to(device), sin.to(device)
 
     @torch.no_grad()
@@ -211,8 +229,13 @@ class Llama(nn.Module):
         return self
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits (b, s, vocab); or, given labels (b, s), the mean cross-entropy (float32)."""
         seq = tokens.shape[1]
         if start_pos + seq > self.cfg.max_seq_len:
             raise ValueError(
@@ -225,6 +248,18 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, cache, start_pos)
         h = self.norm(h)
+        if labels is not None:
+            return self.loss(h, labels)
         if self.output is None:  # tied: the embedding matrix is the head
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, vocab)
         return self.output(h)  # (b, s, vocab), or a vocab shard under tensor parallelism
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the head on final hidden states h (b, s, dim)."""
+        parallel_loss = getattr(self.output, "loss", None)
+        if parallel_loss is not None:  # a vocab-parallel head brings its own (tensor_parallel)
+            return parallel_loss(h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return ops.linear_cross_entropy(
+            h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
+        )

@@ -1,0 +1,73 @@
+"""Causal (grouped-query) attention: the explicit reference and the fused SDPA path.
+
+`torch.nn.functional.scaled_dot_product_attention` already dispatches to the fastest kernel
+the device has -- FlashAttention-2 or cuDNN on recent NVIDIA GPUs, memory-efficient
+attention, a flash-style tiled CPU kernel, or the unfused "math" fallback -- and all except
+math never materialise the (seq, seq) score matrix. Writing our own would only lose to it, so
+the fused path is SDPA and this module's work is (1) a reference to hold it to and (2) saying
+which backend actually runs for given inputs (`sdpa_backends`), since SDPA silently falls back
+to math when a backend's constraints (dtype, head_dim, GQA, mask) are not met.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hyperloom.engine.ops.kernels import check_impl
+
+# Best first; SDPA's own priority order on CUDA.
+BACKENDS = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d + causal mask) v in float32, for (batch, heads, seq, head_dim) inputs;
+    k and v may have fewer heads (grouped-query: each serves heads/kv_heads query heads)."""
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)  # (b, h, s_kv, d)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = q.float() @ kf.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, h, s, s_kv)
+    if is_causal:
+        s, s_kv = scores.shape[-2:]
+        mask = torch.ones(s, s_kv, dtype=torch.bool, device=q.device).tril(s_kv - s)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ vf).to(q.dtype)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True, impl: str = "fused"
+) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) q over k, v with the same or fewer heads."""
+    check_impl(impl)
+    if impl == "reference":
+        return attention_reference(q, k, v, is_causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def sdpa_backends(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True
+) -> list[str]:
+    """Names of the SDPA backends that accept these inputs, best first: the first one is
+    what `attention(..., impl="fused")` runs."""
+    ok = []
+    gqa = k.shape[1] != q.shape[1]
+    for backend in BACKENDS:
+        try:
+            with sdpa_kernel([backend]), torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+        except RuntimeError:
+            continue
+        ok.append(backend.name.lower())
+    return ok

@@ -1,0 +1,185 @@
+"""Cross-entropy fused with the output projection, in chunks of tokens (and vocab-parallel).
+
+The reference path materialises the logits (tokens, vocab) -- 8k tokens x 128k vocab is 4 GiB in
+float32 -- then an upcast copy, the log-softmax saved for backward and its gradient: several
+times the size of the whole rest of a small model's activations. The fused operator never
+holds more than one chunk of logits (Liger-Kernel's FusedLinearCrossEntropy; Wijmans et al.,
+"Cut Your Losses", arXiv 2411.09009, go further and never write logits to memory at all):
+
+    for each chunk of c tokens:
+        z = h_c Wᵀ                                   (c, vocab), the only large temporary
+        m = max z,  s = Σ exp(z − m),  loss_c = log s − (z_target − m)
+        ∂z = (softmax(z) − onehot(target)) / n_valid (0 for ignored tokens)
+        ∂h_c = ∂z W,   ∂W += ∂zᵀ h_c
+
+so the forward pass also computes both gradients and keeps only those -- ∂h (tokens, dim) and
+∂W (the size of the weight, needed anyway) -- and backward merely scales them by the incoming
+gradient (in place: the operator supports one backward per forward). The chunk size defaults
+to Liger's rule, c ≈ tokens · dim / vocab rounded to a power of two, so a chunk of logits is
+about as large as the hidden states themselves.
+
+Vocab-parallel (Megatron): each rank holds a slice of W's rows. The only cross-rank values
+are per token -- the max, and the sum of exponentials with the target's logit -- so the
+engine takes an `all_reduce(tensor, op)` callback and knows nothing of process groups;
+`hyperloom.parallel.tensor_parallel` passes one that reduces over the tensor-parallel group.
+∂h is then this rank's partial sum, which the head's `copy_to_tp` backward all-reduces.
+
+Matmuls run in the autocast dtype when autocast is on (as the reference's `F.linear` would),
+the softmax arithmetic in float32, ∂W accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hyperloom.engine.ops.kernels import check_impl, kernel
+
+AllReduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "max" | "sum") -> reduced
+
+
+def cross_entropy_reference(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """Float32 cross-entropy of logits (..., vocab) against labels (...)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])  # (tokens, vocab)
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Plain PyTorch: full logits `hidden @ weight.T`, then `cross_entropy_reference`."""
+    return cross_entropy_reference(F.linear(hidden, weight), labels, ignore_index, reduction)
+
+
+def auto_chunk_tokens(n_tokens: int, dim: int, vocab: int) -> int:
+    """Liger's rule: chunks of ~tokens·dim/vocab tokens (a power of two, at least 1)."""
+    per_chunk = -(-n_tokens // max(1, -(-vocab // dim)))  # ceil(n / ceil(vocab / dim))
+    return max(1, 1 << (per_chunk - 1).bit_length())
+
+
+@kernel
+def _sumexp_target(z: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor):
+    zf = z.float()  # (c, vocab)
+    s = torch.exp(zf - m[:, None]).sum(-1)
+    target = zf.gather(1, idx[:, None]).squeeze(1) - m
+    return s, torch.where(inside, target, torch.zeros_like(target))
+
+
+@kernel
+def _logit_grad(z, m, s, idx, inside, row_scale):
+    p = torch.exp(z.float() - m[:, None]) / s[:, None]  # softmax, (c, vocab)
+    cols = torch.arange(z.shape[1], device=z.device)
+    onehot = (cols[None, :] == idx[:, None]) & inside[:, None]
+    return ((p - onehot.float()) * row_scale[:, None]).to(z.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, opts):
+        ignore_index, chunk, vocab_start, all_reduce, cdt, reduction, need_grad, compile = opts
+        dim, vocab = hidden.shape[-1], weight.shape[0]
+        h = hidden.reshape(-1, dim)  # (tokens, dim)
+        lab = labels.reshape(-1)  # (tokens,)
+        n = h.shape[0]
+        valid = lab != ignore_index
+        n_valid = valid.sum().clamp(min=1).float()
+        scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=h.device)
+        dev = h.device.type
+        no_autocast = (
+            torch.autocast(dev, enabled=False)
+            if torch.amp.is_autocast_available(dev)
+            else contextlib.nullcontext()
+        )
+        with no_autocast:
+            hc, wc = h.to(cdt), weight.to(cdt)
+            grad_h = torch.empty_like(h) if need_grad and hidden.requires_grad else None
+            grad_w = None
+            if need_grad and weight.requires_grad:
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            for start in range(0, n, chunk):
+                hk = hc[start : start + chunk]  # (c, dim)
+                z = hk @ wc.T  # (c, vocab), one chunk of logits
+                local = lab[start : start + chunk] - vocab_start
+                ok = valid[start : start + chunk]
+                inside = (local >= 0) & (local < vocab) & ok
+                idx = local.clamp(0, vocab - 1)
+                m = z.amax(-1).float()  # (c,)
+                if all_reduce is not None:
+                    m = all_reduce(m, "max")
+                s, target = _sumexp_target(z, m, idx, inside, compile=compile)
+                if all_reduce is not None:
+                    s, target = all_reduce(torch.stack([s, target]), "sum").unbind(0)
+                loss += torch.where(ok, s.log() - target, torch.zeros_like(s)).sum()
+                if grad_h is None and grad_w is None:
+                    continue
+                row_scale = ok.float() * scale
+                dz = _logit_grad(z, m, s, idx, inside, row_scale, compile=compile)  # (c, vocab)
+                del z
+                if grad_h is not None:
+                    grad_h[start : start + chunk] = dz @ wc  # (c, dim)
+                if grad_w is not None:
+                    grad_w += (dz.T @ hk).float()  # (vocab, dim)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.shape, ctx.w_dtype = hidden.shape, weight.dtype
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, dloss):
+        grad_h, grad_w = ctx.saved_tensors
+        # In place: these buffers belong to this one forward (no retain_graph double backward).
+        dh = None if grad_h is None else grad_h.mul_(dloss.to(grad_h.dtype)).view(ctx.shape)
+        dw = None if grad_w is None else grad_w.mul_(dloss).to(ctx.w_dtype)
+        return dh, dw, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_tokens: int = 0,
+    vocab_start: int = 0,
+    all_reduce: AllReduce | None = None,
+    impl: str = "fused",
+) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T` (..., vocab) against `labels` (...), float32.
+
+    `weight` (vocab, dim) may be this rank's vocabulary slice starting at `vocab_start`; then
+    `all_reduce(t, "max" | "sum")` must reduce per-token tensors over the ranks that hold the
+    other slices. `chunk_tokens` = 0 picks the chunk size automatically. `reduction` is
+    "mean" (over tokens whose label is not `ignore_index`) or "sum".
+    """
+    check_impl(impl)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if impl == "reference" and all_reduce is None:
+        return linear_cross_entropy_reference(hidden, weight, labels, ignore_index, reduction)
+    n = hidden.numel() // hidden.shape[-1]
+    chunk = chunk_tokens or auto_chunk_tokens(n, hidden.shape[-1], weight.shape[0])
+    dev = hidden.device.type
+    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    cdt = torch.get_autocast_dtype(dev) if autocast else hidden.dtype
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    opts = (
+        ignore_index,
+        chunk,
+        vocab_start,
+        all_reduce,
+        cdt,
+        reduction,
+        need_grad,
+        impl == "fused",
+    )
+    return _LinearCrossEntropy.apply(hidden, weight, labels, opts)

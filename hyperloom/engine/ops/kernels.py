@@ -1,0 +1,74 @@
+"""torch.compile for the fused operators' kernels, with a clean fallback to eager PyTorch.
+
+Each fused operator is a custom `autograd.Function` whose forward and backward call small
+pure-tensor functions ("kernels"): no autograd inside them, so torch.compile (Inductor) turns
+each one into a single loop nest on CPU or a Triton kernel on GPU, and we decide exactly what
+is saved for backward instead of leaving it to the partitioner.
+
+A `Kernel` runs its function eagerly -- the same algorithm, unfused -- when
+
+- the caller asks for eager (`impl="fused_eager"`, which the unit tests use: compiling costs
+  seconds per graph on a small CPU and the arithmetic is what they check),
+- `HYPERLOOM_OPS_COMPILE=0` is set in the environment (a process-wide kill switch),
+- we are already being traced by torch.compile (an outer `train.compile` fuses it anyway),
+- or compiling failed once (no compiler toolchain, an unsupported backend): it logs one warning
+  per kernel and stays eager from then on.
+
+Shapes vary (the last chunk of a loss, prompt vs decode steps), so the first recompile marks
+the changed dimension dynamic (torch.compile's default `dynamic=None`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hyperloom.engine.ops")
+
+IMPLS = ("reference", "fused", "fused_eager")
+
+
+def compile_allowed() -> bool:
+    """False when HYPERLOOM_OPS_COMPILE=0 (read on every call, so tests can flip it)."""
+    return os.environ.get("HYPERLOOM_OPS_COMPILE", "1") != "0"
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown op implementation {impl!r}; expected one of {IMPLS}")
+
+
+class Kernel:
+    """A pure tensor function, compiled on first use when allowed, eager otherwise."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.eager = fn
+        self.name = fn.__name__
+        self._compiled: Callable[..., Any] | None = None
+        self._failed = False
+
+    def __call__(self, *args: Any, compile: bool = True) -> Any:
+        if not compile or self._failed or not compile_allowed() or torch.compiler.is_compiling():
+            return self.eager(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.eager)
+        try:
+            return self._compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means "use eager"
+            self._failed = True
+            log.warning(
+                "torch.compile failed for fused kernel %s (%s: %s); using eager PyTorch for it",
+                self.name,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return self.eager(*args)
+
+
+def kernel(fn: Callable[..., Any]) -> Kernel:
+    """Decorator: `@kernel def _fwd(...)` makes `_fwd(*args, compile=...)`."""
+    return Kernel(fn)

@@ -1,0 +1,104 @@
+"""RMSNorm (Zhang & Sennrich, arXiv 1910.07467), optionally fused with the residual add before it.
+
+In a pre-norm block the stream goes `r = x + f(x)` then `norm(r)`: two memory-bound passes
+over (tokens, dim) that read `r` twice. The fused operator does the add and the norm in one
+pass and returns both the normalised output and the new residual stream (Liger-Kernel's and
+Apex's `FusedAddRMSNorm`).
+
+Numerics follow the model's reference: the norm is computed in float32 whatever the input
+dtype and cast back to the residual's dtype. Backward saves only the summed residual `r`
+(which is an output anyway, so no extra memory), the weight and one float32 `1/rms` per token;
+the normalised activations are recomputed:
+
+    x̂ = r · rstd,   y = x̂ · w
+    ∂r = rstd · (g − x̂ · mean(g · x̂)),  g = ∂y · w;   ∂w = Σ_tokens ∂y · x̂
+
+and ∂r is the gradient of both the block input and the sub-layer output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyperloom.engine.ops.kernels import check_impl, kernel
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch: `norm(x)`, or `(norm(residual + x), residual + x)` when residual is given."""
+    r = x if residual is None else residual + x
+    y = F.rms_norm(r.float(), (r.shape[-1],), weight.float(), eps).to(r.dtype)
+    return y if residual is None else (y, r)
+
+
+@kernel
+def _fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    r = x if residual is None else residual + x  # (n, dim)
+    rf = r.float()
+    rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)  # (n, 1)
+    y = (rf * rstd * weight.float()).to(r.dtype)
+    return y, r, rstd
+
+
+@kernel
+def _bwd(dy: torch.Tensor, dr_out: torch.Tensor | None, r: torch.Tensor, weight, rstd):
+    xhat = r.float() * rstd  # (n, dim), recomputed
+    g = dy.float() * weight.float()
+    dr = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dr_out is not None:
+        dr = dr + dr_out.float()
+    dw = (dy.float() * xhat).sum(0)  # (dim,)
+    return dr, dw
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, compile):
+        shape, dim = x.shape, x.shape[-1]
+        x2 = x.reshape(-1, dim)  # (tokens, dim)
+        res2 = None if residual is None else residual.reshape(-1, dim)
+        y, r, rstd = _fwd(x2, res2, weight, eps, compile=compile)
+        ctx.save_for_backward(r, weight, rstd)
+        ctx.compile, ctx.has_residual = compile, residual is not None
+        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
+        y = y.view(shape)
+        if residual is None:
+            return y
+        return y, r.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dr_out=None):
+        r, weight, rstd = ctx.saved_tensors
+        dim = r.shape[-1]
+        dy2 = dy.reshape(-1, dim)  # (tokens, dim)
+        dr2 = None if dr_out is None else dr_out.reshape(-1, dim)
+        dr, dw = _bwd(dy2, dr2, r, weight, rstd, compile=ctx.compile)
+        dr = dr.view(dy.shape)
+        dx = dr.to(ctx.dtypes[0])
+        dres = dr.to(ctx.dtypes[1]) if ctx.has_residual else None
+        return dx, dres, dw.to(weight.dtype), None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    impl: str = "fused",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x` (..., dim), or of `residual + x` returning `(normed, residual + x)`.
+
+    `impl`: "reference" (plain PyTorch), "fused" (custom autograd with compiled kernels) or
+    "fused_eager" (the same custom autograd, kernels run eagerly).
+    """
+    check_impl(impl)
+    if impl == "reference":
+        return rms_norm_reference(x, weight, eps, residual)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    return _FusedRMSNorm.apply(x, residual, weight, eps, impl == "fused")

@@ -1,0 +1,62 @@
+"""SwiGLU activation `silu(a) · b` (Shazeer, arXiv 2002.05202), the gate of a Llama MLP.
+
+Unfused, autograd keeps `a`, `b`, `silu(a)` and the product's inputs: three (tokens, ffn_dim)
+tensors, the widest activations of the block. The fused operator saves only its two inputs
+(which the preceding linears produced anyway) and recomputes the sigmoid in backward
+(Liger-Kernel's `LigerSiLUMulFunction` does the same):
+
+    s = σ(a),  ∂a = ∂y · b · s · (1 + a · (1 − s)),  ∂b = ∂y · a · s
+
+Math runs in float32 and the result is cast to the inputs' dtype, once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyperloom.engine.ops.kernels import check_impl, kernel
+
+
+def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: `silu(a) * b`."""
+    return F.silu(a) * b
+
+
+@kernel
+def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    af = a.float()
+    return (af * torch.sigmoid(af) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
+
+
+@kernel
+def _bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    af, bf, g = a.float(), b.float(), dy.float()
+    s = torch.sigmoid(af)
+    da = g * bf * s * (1 + af * (1 - s))
+    db = g * af * s
+    return da.to(a.dtype), db.to(b.dtype)
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, compile):
+        ctx.save_for_backward(a, b)
+        ctx.compile = compile
+        return _fwd(a, b, compile=compile)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        da, db = _bwd(dy, a, b, compile=ctx.compile)
+        return da, db, None
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, impl: str = "fused") -> torch.Tensor:
+    """`silu(a) * b` for same-shaped a, b; `impl` as in `hyperloom.engine.ops.rms_norm`."""
+    check_impl(impl)
+    if impl == "reference":
+        return swiglu_reference(a, b)
+    if a.shape != b.shape:
+        raise ValueError(f"swiglu needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return _FusedSwiGLU.apply(a, b, impl == "fused")

@@ -94,6 +94,21 @@ class ParallelConfig:
         choices=[0, 1, 3],
     )
     order: str = knob("pp,dp,cp,tp", "rank order of the mesh, outermost first (tp innermost)")
+    pp_schedule: str = knob(
+        "1f1b",
+        "pipeline schedule (`hyperloom schedule --help` describes each)",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe", "dualpipev"],
+    )
+    vpp: int = knob(1, "model chunks per pipeline rank for 'interleaved' (zb-v/dualpipev imply 2)")
+    microbatches: int = knob(
+        0,
+        "pipeline micro-batches per step, each train.micro_batch_size sequences (0 = 2 x pp)",
+    )
+    pp_layers: list[int] = knob(
+        doc="layers per model chunk in pipeline order (empty = even split); a 0 gives the "
+        "embedding or the head a chunk of its own",
+        factory=list,
+    )
 
 
 @dataclass(frozen=True)
@@ -576,11 +591,12 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         p.extend(f"parallel.{k} must be >= 1, got {getattr(par, k)}" for k in bad)
     else:
         p.extend(_tensor_parallel_problems(cfg))
-        for key, issue in (("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        p.extend(_pipeline_problems(cfg))
+        for key, issue in (("cp", "context"), ("ep", "expert")):
             if getattr(par, key) > 1:
                 p.append(
                     f"parallel.{key} = {getattr(par, key)}: {issue} parallelism is not built "
-                    f"yet; this release runs tp, sp and dp (zero 0 or 3)"
+                    f"yet; this release runs tp, sp, pp and dp (zero 0, 1 or 3)"
                 )
         world = world_size_from_env() if world_size is None else world_size
         product = par.dp * par.tp * par.pp * par.cp
@@ -599,6 +615,69 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     if p:
         raise ConfigError(p)
+
+
+def pipeline_microbatches(par: ParallelConfig) -> int:
+    """Micro-batches per pipelined step (the 0 default means 2 x pp, which every schedule
+    accepts); 1 without pipeline parallelism."""
+    if par.pp == 1:
+        return 1
+    return par.microbatches or 2 * par.pp
+
+
+def pipeline_chunks(par: ParallelConfig) -> int:
+    """Model chunks the layers are split into: pp x stages per rank (DualPipe's two copies
+    of each chunk count once)."""
+    per_rank = {"zb-v": 2, "dualpipev": 2, "interleaved": par.vpp}.get(par.pp_schedule, 1)
+    return par.pp * per_rank
+
+
+def _pipeline_problems(cfg: JobConfig) -> list[str]:
+    from hyperloom.pipeline.schedules import ScheduleError, build_schedule
+
+    par, t = cfg.parallel, cfg.train
+    out = []
+    if par.pp == 1:
+        if par.microbatches > 1 or par.pp_layers:
+            out.append(
+                "parallel.microbatches and parallel.pp_layers need parallel.pp > 1 "
+                "(use train.grad_accum to accumulate without a pipeline)"
+            )
+        return out
+    try:
+        build_schedule(par.pp_schedule, par.pp, pipeline_microbatches(par), par.vpp)
+    except ScheduleError as exc:
+        out.append(f"parallel.pp_schedule = '{par.pp_schedule}': {exc}")
+        return out
+    chunks = pipeline_chunks(par)
+    n_layers = cfg.model.n_layers
+    if par.pp_layers:
+        if len(par.pp_layers) != chunks or sum(par.pp_layers) != n_layers:
+            out.append(
+                f"parallel.pp_layers {par.pp_layers} must give {chunks} chunks "
+                f"(pp({par.pp}) x stages per rank) that sum to model.n_layers ({n_layers}); "
+                f"got {len(par.pp_layers)} chunks summing to {sum(par.pp_layers)}"
+            )
+        elif min(par.pp_layers) < 0:
+            out.append(f"parallel.pp_layers must be >= 0 each, got {par.pp_layers}")
+    elif n_layers < chunks:
+        out.append(
+            f"model.n_layers ({n_layers}) < {chunks} pipeline chunks: every chunk needs a "
+            f"layer (or set parallel.pp_layers with explicit zeros)"
+        )
+    if par.zero == 3:
+        out.append(
+            "parallel.zero = 3 with parallel.pp > 1: FSDP under pipeline parallelism is not "
+            "built yet; use zero 0 or 1"
+        )
+    if t.compile:
+        out.append("train.compile with parallel.pp > 1 is not built yet; set train.compile false")
+    if cfg.precision.fp8 != "none":
+        out.append(
+            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.pp > 1 is not built yet "
+            f"(FP8 scaling state per pipeline stage); use fp8 'none' or pp = 1"
+        )
+    return out
 
 
 def _tensor_parallel_problems(cfg: JobConfig) -> list[str]:

@@ -34,14 +34,21 @@ class ModelFamily:
     param_count: Callable[[ModelConfig], int]
     training_flops_per_token: Callable[[ModelConfig, int], int]
     tp_plan: dict[str, str]  # module path pattern -> tensor-parallel style
+    # (meta model, layer ids, first, last) -> the model cut down to one pipeline chunk
+    pipeline_chunk: Callable[[nn.Module, range, bool, bool], nn.Module]
 
 
 def _llama() -> ModelFamily:
     from hyperloom.models import llama
-    from hyperloom.models.llama.plan import TP_PLAN
+    from hyperloom.models.llama.plan import TP_PLAN, pipeline_chunk
 
     return ModelFamily(
-        "llama", llama.Llama, llama.param_count, llama.training_flops_per_token, TP_PLAN
+        "llama",
+        llama.Llama,
+        llama.param_count,
+        llama.training_flops_per_token,
+        TP_PLAN,
+        pipeline_chunk,
     )
 
 

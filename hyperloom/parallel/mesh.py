@@ -62,7 +62,7 @@ class ParallelMesh:
     sizes: dict[str, int]
     order: tuple[str, ...]
     device_mesh: object | None = None  # torch DeviceMesh when world > 1
-    _groups: dict[str, object] = field(default_factory=dict)
+    _groups: dict[object, object] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -93,6 +93,29 @@ class ParallelMesh:
         if dim not in self._groups:
             self._groups[dim] = self.device_mesh.get_group(dim)
         return self._groups[dim]
+
+    def subgroup(self, dim: str, members: tuple[int, ...]):
+        """Process group of the ranks at coordinates `members` along `dim` that share this
+        rank's other coordinates (e.g. the first and last pipeline ranks, for tied
+        embeddings). A collective: every rank calls it with the same arguments in the same
+        order, because every such line of the mesh gets its own group. None if this rank's
+        coordinate along `dim` is not in `members`."""
+        key = (dim, tuple(members))
+        if key in self._groups:
+            return self._groups[key]
+        # (..., dim) after moving `dim` last: one row per line of the mesh along it.
+        grid = self.device_mesh.mesh
+        axis = self.order.index(dim)
+        lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])
+        mine = None
+        me = dist.get_rank()
+        for line in lines.tolist():
+            ranks = [line[i] for i in members]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = group
+        self._groups[key] = mine
+        return mine
 
     def submesh(self, *dims: str):
         """The DeviceMesh over `dims` (for FSDP2 and friends)."""

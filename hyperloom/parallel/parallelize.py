@@ -55,22 +55,32 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool
+    model: nn.Module,
+    plan: dict[str, str],
+    group,
+    sequence_parallel: bool,
+    partial: bool = False,
 ) -> list[str]:
     """Swap in the plan's parallel modules (model may be on the meta device).
 
-    Returns the names of the parameters whose gradients must be summed over the group after
-    backward (norm weights under sequence parallelism).
+    `partial`: the model is a pipeline chunk, so plan entries may match nothing (a middle
+    chunk has no embedding and no head). Returns the names of the parameters whose gradients
+    must be summed over the group after backward (norm weights under sequence parallelism).
     """
     sp_params: list[str] = []
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"unknown tensor-parallel style {style!r} for {pattern!r}")
         paths = _modules_matching(model, pattern)
-        if not paths and not (style == "vocab_head" and getattr(model, pattern, 1) is None):
+        tied_head = style == "vocab_head" and getattr(model, pattern, 1) is None
+        if not paths and not tied_head and not partial:
             raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
-        if style == "vocab_head" and not paths:  # tied embeddings: the head borrows them
-            emb = next(m for m in model.modules() if isinstance(m, tpl.VocabParallelEmbedding))
+        if tied_head:  # tied embeddings: the head borrows them
+            emb = next(
+                (m for m in model.modules() if isinstance(m, tpl.VocabParallelEmbedding)), None
+            )
+            if emb is None:  # a pipeline chunk without the embedding has no head either
+                continue
             _set_submodule(
                 model, pattern, tpl.VocabParallelHead(emb, group, sequence_parallel, True)
             )
@@ -103,6 +113,24 @@ class ParallelModel:
     mesh: ParallelMesh
     zero: int
     sp_params: list[str] = field(default_factory=list)  # names; see finish_grads
+    # ids of parameter copies the gradient norm must not count twice (pipeline replicas)
+    norm_skip: frozenset[int] = frozenset()
+
+    @property
+    def pipelined(self) -> bool:
+        return False
+
+    def state_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) this rank reports in a checkpoint (each name once overall)."""
+        return list(self.inner.named_parameters())
+
+    def local_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) for every parameter copy this rank holds (loads fill them all)."""
+        return list(self.inner.named_parameters())
+
+    def gather_state(self, state: dict) -> dict:
+        """Merge per-rank name-keyed state into the whole model's (pipelines override)."""
+        return state
 
     @property
     def tp_group(self):
@@ -165,12 +193,14 @@ class ParallelModel:
         parameters count once. Under FSDP every dp rank holds a disjoint shard, so the sum
         also runs over dp. Same formula as `torch.nn.utils.clip_grad_norm_`.
         """
-        sharded, replicated = [], []
+        sharded, replicated, every = [], [], []
         for p in self.inner.parameters():
             if p.grad is None:
                 continue
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
+            every.append(g)
+            if id(p) not in self.norm_skip:  # a second copy (pipeline) counts once
+                (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
         dev = next(self.inner.parameters()).device
         # Squares are summed in float64: a float32 norm of a 6M-element gradient is off by
         # ~1e-4 relative on CPU, enough to make layouts disagree with one process. The
@@ -188,10 +218,13 @@ class ParallelModel:
         total_sq = sharded_sq + sq(replicated)
         if self.zero == 3 and self.mesh.group("dp") is not None:
             dist.all_reduce(total_sq, group=self.mesh.group("dp"))
+        if self.mesh.group("pp") is not None:  # each pipeline rank holds other layers
+            dist.all_reduce(total_sq, group=self.mesh.group("pp"))
         total = total_sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(sharded + replicated, coef)
+            if every:
+                torch._foreach_mul_(every, coef)
         return total
 
 
@@ -221,7 +254,7 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, zero: int) -> nn.Mo
     # description over so clipping and checkpoints still know which tensors are tp slices.
     specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
     dp_mesh = mesh.submesh("dp")
-    for block in getattr(model, "layers", []):
+    for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     for name, spec in specs.items():

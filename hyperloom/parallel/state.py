@@ -55,22 +55,27 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def full_model_state(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """Every parameter whole, on CPU (a collective: call on every rank)."""
-    return {
-        name: _full(p, getattr(p, "shard_spec", None), pm.tp_group).cpu()
-        for name, p in pm.inner.named_parameters()
-    }
+    return pm.gather_state(
+        {
+            name: _full(p, getattr(p, "shard_spec", None), pm.tp_group).cpu()
+            for name, p in pm.state_params()
+        }
+    )
 
 
 @torch.no_grad()
 def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> None:
-    params = dict(pm.inner.named_parameters())
-    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    params = pm.local_params()
+    names = {n for n, _ in params}
+    missing = names - set(state)
+    # A pipeline rank holds a part of the model: the rest of the state is other ranks'.
+    unexpected = set() if pm.pipelined else set(state) - names
     if missing or unexpected:
         raise KeyError(
             f"state does not match the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
-    for name, p in params.items():
+    for name, p in params:
         spec = getattr(p, "shard_spec", None)
         full_shape = list(p.shape)
         if spec is not None:
@@ -83,8 +88,8 @@ def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> 
         _copy_into(p, _place(state[name], p, spec))
 
 
-def _names(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
-    return {id(p): (n, p) for n, p in model.named_parameters()}
+def _names(pm: ParallelModel) -> dict[int, tuple[str, nn.Parameter]]:
+    return {id(p): (n, p) for n, p in pm.local_params()}
 
 
 def _per_param_state(opt) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
@@ -95,16 +100,19 @@ def _per_param_state(opt) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
 
 def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
     """AdamW state whole and keyed by parameter name (a collective)."""
-    by_id = _names(pm.inner)
+    by_id = _names(pm)
+    reported = {id(p) for _, p in pm.state_params()}
     out: dict[str, Any] = {}
     for p, st in _per_param_state(opt).items():
         name, param = by_id[id(p)]
+        if id(p) not in reported:  # another copy of this parameter reports it
+            continue
         spec = getattr(param, "shard_spec", None)
         out[name] = {
             k: (_full(v, spec, pm.tp_group).cpu() if v.dim() > 0 else _local(v).cpu())
             for k, v in st.items()
         }
-    return {"state": out}
+    return {"state": pm.gather_state(out)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -113,7 +121,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> None:
-    by_id = _names(pm.inner)
+    by_id = _names(pm)
     state = saved["state"]
     if isinstance(opt, ZeroOneAdamW):
         per_param = {}

@@ -24,6 +24,7 @@ single-process run to rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,20 @@ class ZeroOneAdamW:
     `param_groups` (for the learning rate), `step()`, `zero_grad()`.
     """
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, dp_group, tp_group=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        dp_group,
+        tp_group=None,
+        counted: Callable[[nn.Parameter], bool] | None = None,
+        extra_norm_group=None,
+    ):
+        """`counted` says which parameters the gradient norm counts (pipeline copies of a
+        parameter count once); `extra_norm_group` sums the norm over more ranks (pp)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.tp_group = dp_group, tp_group
+        self.extra_norm_group = extra_norm_group
         self.dp = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
         self.numels = [p.numel() for p in self.params]
@@ -73,6 +85,17 @@ class ZeroOneAdamW:
             device,
         )
         self.decay_mask = decay[self.lo : self.hi].clone()  # a view would keep all N alive
+        self.count_mask: torch.Tensor | None = None
+        if counted is not None and not all(counted(p) for p in self.params):
+            count = self._flatten(
+                [
+                    torch.full((n,), float(counted(p)))
+                    for p, n in zip(self.params, self.numels, strict=True)
+                ],
+                device,
+            )
+            tp_sharded *= count
+            self.count_mask = count[self.lo : self.hi].clone()
         self.tp_mask = tp_sharded[self.lo : self.hi].clone()
         self.grad_shard: torch.Tensor | None = None
         self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay}]
@@ -100,12 +123,16 @@ class ZeroOneAdamW:
         acc = norm_accumulator(g.device)
         squares = g.square()
         sharded_sq = (squares * self.tp_mask).sum(dtype=acc)
+        if self.count_mask is not None:
+            squares *= self.count_mask
         replicated_sq = squares.sum(dtype=acc) - sharded_sq
         del squares
         if self.tp_group is not None:
             dist.all_reduce(sharded_sq, group=self.tp_group)
         total_sq = sharded_sq + replicated_sq
         dist.all_reduce(total_sq, group=self.group)
+        if self.extra_norm_group is not None:
+            dist.all_reduce(total_sq, group=self.extra_norm_group)
         total = total_sq.sqrt().float()
         if max_norm > 0:
             g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))

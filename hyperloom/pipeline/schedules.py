@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from hyperloom.pipeline.basic import gpipe, interleaved_1f1b, one_f_one_b
 from hyperloom.pipeline.dualpipe import dualpipe, dualpipev
-from hyperloom.pipeline.ir import Schedule, ScheduleError
+from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError
 from hyperloom.pipeline.zero_bubble import zb_h1, zb_v
 
 # kind -> generator(pp, vpp, m); vpp is passed only where it is a choice.
@@ -81,3 +81,26 @@ def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
     if kind == "zb-v" and pp < 2:
         raise ScheduleError(f"zb-v needs pp >= 2 (the V turns at rank pp-1), got pp={pp}")
     return SCHEDULES[kind](pp, m)
+
+
+def forward_only(schedule: Schedule, microbatches: int) -> Schedule:
+    """Forwards of `microbatches` through `schedule`'s first pipe, stage by stage (GPipe's
+    forward half): what evaluation runs over the same placement. Compute-only."""
+    pipe = schedule.pipes[0]
+    n = len(pipe.stages)
+    if tuple(pipe.stages) != tuple(range(n)):
+        raise ScheduleError(f"{schedule.name}: the first pipe must be stages 0..{n - 1}")
+    acts: list[list[Action]] = [[] for _ in range(schedule.pp)]
+    for s in pipe.stages:
+        for m in range(microbatches):
+            acts[schedule.placement[s]].append(Action.f(s, m))
+    return Schedule(
+        f"{schedule.name}-forward",
+        schedule.pp,
+        n,
+        microbatches,
+        schedule.placement[:n],
+        (Pipe(pipe.stages, tuple(range(microbatches))),),
+        acts,
+        schedule.replica_of[:n],
+    )

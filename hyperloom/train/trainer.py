@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
-from hyperloom.config import JobConfig, dumps_toml
+from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops import OpImpls
@@ -37,6 +37,7 @@ from hyperloom.parallel.state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
+from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.optim import lr_at
 from hyperloom.train.report import Reporter, write_summary
@@ -66,7 +67,12 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         torch.manual_seed(t.seed)
         self.data = data or self._build_data()
-        self.pm = parallelize(cfg, self.mesh, self.acc.device)
+        if cfg.parallel.pp > 1:  # stages of the model on this rank, run by a schedule
+            self.pm = build_pipeline(
+                cfg, self.mesh, self.acc.device, lambda: self.acc.autocast(self.dtype)
+            )
+        else:
+            self.pm = parallelize(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
         o = cfg.ops  # which operator implementations the model calls (engine.ops)
         self.model.use_ops(OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens))
@@ -75,14 +81,16 @@ class Trainer:
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a
         # layout sees exactly the sequences a single process with dp x the batch would.
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
+        # Under pp each step feeds `microbatches` micro-batches of micro_batch_size rows.
+        self.rows = t.micro_batch_size * pipeline_microbatches(cfg.parallel)
         self.loader = ResumableLoader(
-            self.data.train, t.micro_batch_size * self.dp, cfg.data.seq_len, seed=t.seed
+            self.data.train, self.rows * self.dp, cfg.data.seq_len, seed=t.seed
         )
-        self.val = val_batches(self.data.val, t.micro_batch_size, cfg.data.seq_len, t.eval_batches)
+        self.val = val_batches(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
         fam = family(cfg.model.family)
         self.n_params = fam.param_count(cfg.model)
         self.flops_per_token = fam.training_flops_per_token(cfg.model, cfg.data.seq_len)
-        self.tokens_per_step = t.micro_batch_size * self.dp * t.grad_accum * cfg.data.seq_len
+        self.tokens_per_step = self.rows * self.dp * t.grad_accum * cfg.data.seq_len
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
@@ -170,9 +178,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = self.loader.next_batch()  # (mbs * dp, seq) each
-        mbs = self.cfg.train.micro_batch_size
-        rows = slice(self.dp_rank * mbs, (self.dp_rank + 1) * mbs)
+        inputs, labels = self.loader.next_batch()  # (rows * dp, seq) each
+        rows = slice(self.dp_rank * self.rows, (self.dp_rank + 1) * self.rows)
         return inputs[rows].to(self.acc.device), labels[rows].to(self.acc.device)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +189,9 @@ class Trainer:
         total = torch.zeros((), device=self.acc.device)
         for i in range(t.grad_accum):
             inputs, labels = self._local_batch()
+            if self.pm.pipelined:  # forward and backward as the schedule says
+                total += self.pm.run_step(inputs, labels, scale=1.0 / t.grad_accum)
+                continue
             with self.pm.sync_context(last_micro_batch=i == t.grad_accum - 1):
                 with self.acc.autocast(self.dtype):
                     # The model computes its own loss from the final hidden states, so a
@@ -219,6 +229,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        if self.pm.pipelined:
+            return self.pm.evaluate(self.val)
         losses = []
         for inputs, labels in self.val:
             with self.acc.autocast(self.dtype):

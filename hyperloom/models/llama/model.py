@@ -13,11 +13,19 @@ Hugging Face names.
 
 The model is built on the meta device and materialised with `to_empty` + `init_weights(seed)`,
 so an 8B model costs nothing until it is placed, and the initial weights depend only on the
-seed: every parameter draws from one generator in a fixed (parameter-name) order.
+seed and each parameter's name: every parameter draws from its own generator, seeded from
+(seed, name), so a pipeline stage that holds only some layers starts from exactly the
+single-device weights of those layers.
+
+Pipeline chunks are this same class with parts removed (`plan.pipeline_chunk`): layers
+live in a ModuleDict keyed by their global index, so names stay `layers.N...`; a stage without
+`tok_embeddings` takes the hidden state of the previous stage, and one without `norm` returns
+its hidden state instead of logits.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -90,6 +98,7 @@ class Attention(nn.Module):
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv, d)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         seq = q.shape[1]  # the full sequence, also when x arrives sequence-parallel
+        cos, sin = cos[:seq], sin[:seq]  # tables start at start_pos
         q, k = ops.rope(q, cos, sin, self.ops.rope), ops.rope(k, cos, sin, self.ops.rope)
         if cache is not None:
             k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
@@ -157,14 +166,18 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+    As a pipeline stage (parts set to None): hidden states (batch, seq, dim) in, hidden
+    states out unless the stage holds `norm` (and the head).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = self._rope_tables(torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -197,16 +210,17 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init from `seed`, independent of device and of how the model is split.
+        """Deterministic init from `seed`, independent of device and of how the model is split
+        (tensor-parallel shards, pipeline stages).
 
         Normal(0, init_std) for embeddings and input projections; output projections (wo, w2)
         use init_std / sqrt(2 * n_layers) so the residual stream's variance does not grow
         with depth (GPT-2, Radford et al. 2019). Norm weights start at one.
         """
         c = self.cfg
-        gen = torch.Generator(device="cpu").manual_seed(seed)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
         for name, p in self.named_parameters():
+            gen = param_generator(seed, name)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
@@ -220,7 +234,7 @@ class Llama(nn.Module):
                 shape[spec[0]] *= spec[2]
             full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
             p.copy_(full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]])
-        self.rope_cos, self.rope_sin = self._rope_tables(self.tok_embeddings.weight.device)
+        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def materialize(self, device: torch.device, seed: int) -> Llama:
         """Allocate storage on `device` (from the meta device) and initialise from `seed`."""
@@ -236,17 +250,24 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (b, s, vocab); or, given labels (b, s), the mean cross-entropy (float32)."""
-        seq = tokens.shape[1]
-        if start_pos + seq > self.cfg.max_seq_len:
-            raise ValueError(
-                f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
-                f"({self.cfg.max_seq_len})"
-            )
-        cos = self.rope_cos[start_pos : start_pos + seq]  # (s, head_dim)
-        sin = self.rope_sin[start_pos : start_pos + seq]
-        h = self.tok_embeddings(tokens)  # (b, s, dim)
-        for layer in self.layers:
+        # Token ids are embedded; a floating-point input is the hidden state a previous
+        # pipeline stage produced (a tied last stage holds the embedding only as its head).
+        if tokens.is_floating_point():
+            h = tokens  # (b, s, dim), or (b, s / tp, dim) under sequence parallelism
+        else:
+            seq = tokens.shape[1]
+            if start_pos + seq > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
+                    f"({self.cfg.max_seq_len})"
+                )
+            h = self.tok_embeddings(tokens)  # (b, s, dim)
+        # From start_pos on; attention cuts them to its (whole, gathered) sequence length.
+        cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (max - start, d)
+        for layer in self.layers.values():
             h = layer(h, cos, sin, cache, start_pos)
+        if self.norm is None:
+            return h  # a pipeline stage before the last
         h = self.norm(h)
         if labels is not None:
             return self.loss(h, labels)
@@ -263,3 +284,12 @@ class Llama(nn.Module):
         return ops.linear_cross_entropy(
             h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
         )
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """CPU generator for parameter `name`: a function of (seed, name) only (see init_weights).
+
+    Torch's CPU generator keeps 32 bits of its seed, so (seed, name) is hashed to 32 bits.
+    """
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little"))

@@ -17,3 +17,22 @@ TP_PLAN: dict[str, str] = {
     "norm": "sp_norm",
     "output": "vocab_head",  # logits stay vocab-sharded into the vocab-parallel loss
 }
+
+
+def pipeline_chunk(model, layers: range, first: bool, last: bool):
+    """Cut `model` (on the meta device) down to one pipeline chunk, in place.
+
+    The chunk keeps layers `layers` under their global names, the embedding if it is the
+    first chunk, and the final norm and head if it is the last one. With tied embeddings the
+    last chunk keeps the embedding too, as its head's weight; its gradient is summed with the
+    first chunk's copy (`hyperloom.pipeline.runtime`).
+    """
+    for key in list(model.layers.keys()):
+        if int(key) not in layers:
+            del model.layers[key]
+    if not first and not (last and model.output is None):
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model

@@ -1,0 +1,322 @@
+"""A pipelined model as the trainer sees it: this rank's chunks, the executor, and the
+gradient bookkeeping that pipelining adds to tensor and data parallelism.
+
+Building (`build_pipeline`). The schedule fixes how many model chunks there are (pp, pp x vpp
+for interleaved, 2pp for the V shapes, pp for DualPipe whose two copies share chunks) and
+which rank runs which stage. Layers are split over the chunks evenly or by
+`parallel.pp_layers`; chunk 0 also holds the embedding and the last chunk the final norm and
+head. Each chunk is the model family's own module cut down on the meta device (parameter
+names stay global), tensor-parallelised, allocated and initialised from the seed by name, so
+it starts from exactly the single-device weights.
+
+Parameters held more than once. A tied embedding lives on the first chunk (as input) and on
+the last (as head); DualPipe holds every chunk twice, on ranks r and pp-1-r. Each copy gets
+its own gradient from its own micro-batches; after the schedule the copies' gradients are
+summed (in memory when they share a rank, else by an all-reduce over the pipeline ranks that
+hold them, Megatron's "embedding group"), so every copy takes the same optimizer step and
+they stay equal. The gradient norm counts each parameter once, at its first holder.
+
+Data parallelism under pp is done here rather than by DDP: a split backward accumulates
+weight gradients outside autograd's hooks, so the dp all-reduce (zero 0) or ZeRO-1's
+reduce-scatter (zero 1) runs once after the schedule, without overlap. FSDP (zero 3) with
+pp is not built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.config import JobConfig, pipeline_microbatches
+from hyperloom.models.registry import build_model, family
+from hyperloom.parallel.mesh import ParallelMesh
+from hyperloom.parallel.parallelize import ParallelModel, apply_tensor_parallel
+from hyperloom.parallel.zero1 import ZeroOneAdamW
+from hyperloom.pipeline.comm import add_communication
+from hyperloom.pipeline.executor import PipelineExecutor
+from hyperloom.pipeline.schedules import build_schedule, forward_only
+
+
+def layer_ranges(n_layers: int, n_chunks: int, counts: Sequence[int] = ()) -> list[range]:
+    """Layers of each chunk: `counts` if given, else an even split whose remainder goes to
+    the first chunks (the last one also carries the head, the heaviest single matmul)."""
+    if counts:
+        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts) < 0:
+            raise ValueError(
+                f"layer counts {list(counts)} must be {n_chunks} numbers >= 0 summing to {n_layers}"
+            )
+    else:
+        base, extra = divmod(n_layers, n_chunks)
+        counts = [base + (c < extra) for c in range(n_chunks)]
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class PipelineChunks(nn.Module):
+    """This rank's model chunks, keyed by chunk index (names `chunks.C.<global name>`)."""
+
+    def __init__(self, chunks: dict[int, nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleDict({str(c): m for c, m in sorted(chunks.items())})
+
+    def use_ops(self, impls) -> PipelineChunks:
+        """Select the operator implementations of every chunk (see `Llama.use_ops`)."""
+        for chunk in self.chunks.values():
+            chunk.use_ops(impls)
+        return self
+
+    def global_names(self) -> list[tuple[str, nn.Parameter, int]]:
+        """(name in the whole model, parameter, chunk) for every parameter copy here."""
+        return [
+            (name, p, int(c)) for c, m in self.chunks.items() for name, p in m.named_parameters()
+        ]
+
+
+@dataclass
+class PipelineModel(ParallelModel):
+    """`ParallelModel` whose forward and backward are a pipeline schedule."""
+
+    executor: PipelineExecutor | None = None
+    micro_batches: int = 1
+    # name -> copies on this rank; name -> pp ranks holding it (when more than one)
+    copies: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+    shared_groups: list[tuple[tuple[int, ...], list[str]]] = field(default_factory=list)
+    owned: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    _eval_executors: dict[int, PipelineExecutor] = field(default_factory=dict)
+
+    @property
+    def pipelined(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ steps
+
+    def run_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward of (mbs x micro-batches, seq) rows through the schedule;
+        returns the step's loss (the mean over micro-batches, times `scale`) on every rank."""
+        assert self.executor is not None
+        xs, ys = inputs.chunk(self.micro_batches), labels.chunk(self.micro_batches)
+        loss = self.executor.run(xs, ys, scale / self.micro_batches)
+        return self._pp_sum(loss)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over `batches` of (mbs x micro-batches) rows, all split into micro-batches
+        of one forward-only pipeline pass."""
+        k = self.micro_batches
+        batches = [
+            (x, y) for xs, ys in batches for x, y in zip(xs.chunk(k), ys.chunk(k), strict=True)
+        ]
+        n = len(batches)
+        if n not in self._eval_executors:
+            base = self.executor
+            assert base is not None
+            sched = add_communication(forward_only(base.schedule, n))
+            stages = {s: base.stages[s] for s in sched.stages_of(base.rank)}
+            self._eval_executors[n] = PipelineExecutor(
+                sched,
+                base.rank,
+                stages,
+                base.group,
+                base.act_shape,
+                base.act_dtype,
+                base.device,
+                self.forward_context,
+            )
+        ex = self._eval_executors[n]
+        dev = ex.device
+        xs = [x.to(dev) for x, _ in batches]
+        ys = [y.to(dev) for _, y in batches]
+        return self._pp_sum(ex.run(xs, ys, 1.0 / n, train=False)).item()
+
+    def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.group("pp")
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        return value
+
+    # ------------------------------------------------------------------ gradients
+
+    def sync_context(self, last_micro_batch: bool):
+        return contextlib.nullcontext()  # nothing is reduced during backward under pp
+
+    def make_optimizer(self, cfg):
+        if self.zero == 1 and self.mesh.size("dp") > 1:
+            counted = {id(p) for _, p in self.owned}
+            return ZeroOneAdamW(
+                self.inner,
+                cfg,
+                self.mesh.group("dp"),
+                self.tp_group,
+                counted=lambda p: id(p) in counted,
+                extra_norm_group=self.mesh.group("pp"),
+            )
+        return super().make_optimizer(cfg)
+
+    def reduce_and_clip(self, optimizer, max_norm: float) -> torch.Tensor:
+        self.finish_grads()  # sequence-parallel norm weights over tp
+        self.sum_shared_grads()
+        if isinstance(optimizer, ZeroOneAdamW):
+            optimizer.reduce_grads()
+            return optimizer.clip_grad_norm(max_norm)
+        self._dp_mean_grads()
+        return self.clip_grad_norm(max_norm)
+
+    def _grad(self, p: nn.Parameter) -> torch.Tensor:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def sum_shared_grads(self) -> None:
+        """Sum the gradients of every parameter's copies (tied embeddings, DualPipe)."""
+        for copies in self.copies.values():
+            if len(copies) > 1:
+                total = sum(self._grad(p) for p in copies)
+                for p in copies:
+                    p.grad = total.clone()
+        for ranks, names in self.shared_groups:
+            group = self.mesh.subgroup("pp", ranks)
+            if group is None:
+                continue
+            flat = torch.cat([self._grad(self.copies[n][0]).reshape(-1) for n in names])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for n in names:
+                for p in self.copies[n]:
+                    g = self._grad(p)
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += self.copies[n][0].numel()
+
+    def _dp_mean_grads(self) -> None:
+        group = self.mesh.group("dp")
+        if group is None:
+            return
+        grads = [self._grad(p) for p in self.inner.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= self.mesh.size("dp")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # ------------------------------------------------------------------ state
+
+    def state_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.owned
+
+    def local_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, ps in self.copies.items() for p in ps]
+
+    def gather_state(self, state: dict) -> dict:
+        group = self.mesh.group("pp")
+        if group is None:
+            return state
+        parts: list[dict | None] = [None] * self.mesh.size("pp")
+        dist.all_gather_object(parts, state, group=group)
+        merged: dict = {}
+        for part in parts:
+            merged.update(part or {})
+        return merged
+
+
+def build_pipeline(
+    cfg: JobConfig,
+    mesh: ParallelMesh,
+    device: torch.device,
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> PipelineModel:
+    """This rank's chunks of the job's model, initialised, with the executor that runs them."""
+    par = cfg.parallel
+    pp, pp_rank = mesh.size("pp"), mesh.rank("pp")
+    tp, tp_group = mesh.size("tp"), mesh.group("tp")
+    m = pipeline_microbatches(par)
+    schedule = add_communication(build_schedule(par.pp_schedule, pp, m, par.vpp))
+    chunk_of = schedule.replica_of  # stage -> chunk (DualPipe: both copies, one chunk)
+    n_chunks = len(set(chunk_of))
+    ranges = layer_ranges(cfg.model.n_layers, n_chunks, par.pp_layers)
+    fam = family(cfg.model.family)
+    meta = build_model(cfg.model)
+
+    def cut(c: int) -> nn.Module:
+        return fam.pipeline_chunk(copy.deepcopy(meta), ranges[c], c == 0, c == n_chunks - 1)
+
+    # Who holds what, from the layout alone (the same answer on every rank).
+    names = {c: [n for n, _ in cut(c).named_parameters()] for c in range(n_chunks)}
+    holders: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    for s in range(schedule.n_stages):
+        for n in names[chunk_of[s]]:
+            holders[n].add((schedule.placement[s], chunk_of[s]))
+
+    mine = sorted({chunk_of[s] for s in schedule.stages_of(pp_rank)})
+    chunks, sp_params = {}, []
+    for c in mine:
+        chunk = cut(c)
+        if tp > 1:
+            sp = apply_tensor_parallel(chunk, fam.tp_plan, tp_group, par.sp, partial=True)
+            sp_params += [f"chunks.{c}.{n}" for n in sp]
+        chunks[c] = chunk
+    model = PipelineChunks(chunks)
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
+    model.to_empty(device=device)
+    for name, spec in specs.items():
+        model.get_parameter(name).shard_spec = spec
+    for chunk in model.chunks.values():
+        chunk.init_weights(cfg.train.seed)
+
+    copies: dict[str, list[nn.Parameter]] = defaultdict(list)
+    owned = []
+    for name, p, c in model.global_names():
+        copies[name].append(p)
+        if min(holders[name]) == (pp_rank, c):
+            owned.append((name, p))
+    by_ranks: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for name in sorted(holders):
+        ranks = tuple(sorted({r for r, _ in holders[name]}))
+        if len(ranks) > 1:
+            by_ranks[ranks].append(name)
+    shared = sorted(by_ranks.items())
+    for ranks, _ in shared:  # a collective: every rank creates every group, in order
+        mesh.subgroup("pp", ranks)
+    shared = [(r, n) for r, n in shared if pp_rank in r]
+
+    seq = cfg.data.seq_len // (tp if par.sp and tp > 1 else 1)
+    act_shape = (cfg.train.micro_batch_size, seq, cfg.model.dim)
+    stages = {s: model.chunks[str(chunk_of[s])] for s in schedule.stages_of(pp_rank)}
+    executor = PipelineExecutor(
+        schedule,
+        pp_rank,
+        stages,
+        mesh.group("pp"),
+        act_shape,
+        torch.float32,
+        device,
+        forward_context,
+    )
+    counted = {id(p) for _, p in owned}
+    return PipelineModel(
+        module=model,
+        inner=model,
+        mesh=mesh,
+        zero=par.zero,
+        sp_params=sp_params,
+        norm_skip=frozenset(id(p) for p in model.parameters() if id(p) not in counted),
+        executor=executor,
+        micro_batches=m,
+        copies=dict(copies),
+        shared_groups=shared,
+        owned=owned,
+        forward_context=forward_context,
+    )

@@ -1,0 +1,141 @@
+"""Split backward: input gradients now (B), weight gradients later (W).
+
+Zero Bubble pipelines (Qi et al., arXiv 2401.10241 §2) split each stage's backward in two.
+B computes the gradient with respect to the stage input, which the previous stage waits
+for; W computes the weight gradients, which nobody waits for, so a schedule can move it into
+a bubble. For a linear layer y = x Wᵀ the split is exact: B needs ∂L/∂x = ∂L/∂y W, W needs
+∂L/∂W = (∂L/∂y)ᵀ x, and both only read tensors the forward saved.
+
+How it is done here. While a stage runs its forward under `DeferWeightGrads(store)`, every
+`F.linear` whose weight requires a gradient goes through `_DeferrableLinear` (a
+`TorchFunctionMode` catches the calls, so the model, the tensor-parallel layers and a tied
+output head need no change). Its backward always returns ∂L/∂x; if the store is collecting
+(the executor runs a B), it queues the weight-gradient product under the current (stage,
+micro-batch) key instead of returning it. W pops that key's queue and accumulates the products
+into `.grad`. Outside a collecting B (a full backward, BW) the layer behaves like `F.linear`.
+Parameters that are not linear weights (norms, embeddings) get their gradients during B: they
+are cheap, which is also how Zero Bubble and DualPipe's `WeightGradStore` split the work.
+
+The store is captured at forward time, not looked up in backward, because autograd may run
+backward on a different thread (one per device on GPUs) where a context variable set by the
+executor would not be visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class WeightGradStore:
+    """Queues of deferred weight-gradient work, one per (stage, micro-batch) key."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, list[Callable[[], None]]] = defaultdict(list)
+        self._collecting: Hashable | None = None
+
+    @contextlib.contextmanager
+    def collect(self, key: Hashable) -> Iterator[None]:
+        """Inside: linear layers queue their weight gradients under `key` (a B action)."""
+        if self._collecting is not None:
+            raise RuntimeError(f"already collecting weight gradients for {self._collecting}")
+        self._collecting = key
+        try:
+            yield
+        finally:
+            self._collecting = None
+
+    def put(self, work: Callable[[], None]) -> bool:
+        """Queue `work` if a B is collecting; False tells the caller to do it now."""
+        if self._collecting is None:
+            return False
+        self._queues[self._collecting].append(work)
+        return True
+
+    def flush(self, key: Hashable) -> int:
+        """Run (W) and drop the work queued under `key`; returns how many products ran."""
+        work = self._queues.pop(key, [])
+        with torch.no_grad():  # outside autograd's backward, grad mode is on again
+            for job in work:
+                job()
+        return len(work)
+
+    def pending(self) -> list[Hashable]:
+        return [k for k, q in self._queues.items() if q]
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """F.linear whose weight (and bias) gradient can be queued in a `WeightGradStore`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, compute_dtype):
+        # Under autocast F.linear would compute in the autocast dtype; do that explicitly so
+        # backward's products use the same dtype as forward's (as autocast's own linear does).
+        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
+        bc = bias.to(compute_dtype) if bias is not None else None
+        ctx.save_for_backward(xc, wc)
+        ctx.store, ctx.weight, ctx.bias = store, weight, bias
+        ctx.x_dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.to(w.dtype)
+        grad_x = (grad @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        weight, bias = ctx.weight, ctx.bias
+
+        def weight_grads() -> tuple[torch.Tensor, torch.Tensor | None]:
+            g2 = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
+            x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
+            gw = g2.t() @ x2  # (out, in)
+            gb = g2.sum(0) if bias is not None and bias.requires_grad else None
+            return gw, gb
+
+        def deferred() -> None:
+            gw, gb = weight_grads()
+            _accumulate(weight, gw)
+            if gb is not None:
+                _accumulate(bias, gb)
+
+        if ctx.store.put(deferred):
+            return grad_x, None, None, None, None
+        gw, gb = weight_grads()
+        return grad_x, gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None, None
+
+
+class DeferWeightGrads(TorchFunctionMode):
+    """Route `F.linear` calls with trainable weights through `_DeferrableLinear`."""
+
+    def __init__(self, store: WeightGradStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.requires_grad:
+                dev = x.device.type
+                dtype = (
+                    torch.get_autocast_dtype(dev)
+                    if torch.is_autocast_enabled(dev)
+                    else torch.promote_types(x.dtype, weight.dtype)
+                )
+                return _DeferrableLinear.apply(x, weight, bias, self.store, dtype)
+        return func(*args, **kwargs)

@@ -103,3 +103,26 @@ def test_cli_dualpipe_on_four_processes_matches_one_process(tiny_job_args, tmp_p
         for key, tol in (("loss", 1e-6), ("val_loss", 1e-6), ("grad_norm", 1e-5)):
             if key in a:
                 assert abs(a[key] - b[key]) <= tol * abs(a[key]), (a, b, key)
+
+
+def test_pipelined_checkpoint_resumes_in_one_process(tiny_job_args, tmp_path):
+    """A ZB-V run stopped at step 3 resumes in one process exactly where one process would be:
+    checkpoints are whole tensors by name, whatever the pipeline layout wrote them."""
+    steps = {"train__steps": 6, "train__micro_batch_size": 4}
+    ref = _train(tiny_job_args, tmp_path / "one", 1, **steps)
+    run_dir = tmp_path / "zbv"
+    _train(
+        tiny_job_args,
+        run_dir,
+        2,
+        **{**steps, "train__micro_batch_size": 1},
+        parallel__pp=2,
+        parallel__pp_schedule="zb-v",
+        train__stop_at_step=3,
+    )
+    resumed = _train(tiny_job_args, run_dir, 1, **steps)
+    want = {r["step"]: r["loss"] for r in ref if r["event"] == "train"}
+    got = {r["step"]: r["loss"] for r in resumed if r["event"] == "train"}
+    assert sorted(got) == list(range(1, 7))
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-6 * abs(want[step]), (step, loss, want[step])

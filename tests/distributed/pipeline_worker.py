@@ -1,7 +1,8 @@
 """torchrun worker: every pipeline schedule against the single-device model, in one launch.
 
 Usage: torchrun --nproc-per-node N pipeline_worker.py OUT.json CASE [CASE ...], each CASE
-`schedule:pp:tp:dp:sp:zero[:tied]`. For each case every rank builds its pipeline chunks and,
+`schedule:pp:tp:dp:sp:zero[:tied|untied[:layers-per-chunk]]`, e.g. `1f1b:2:1:1:0:0:untied:0-8`
+(the embedding alone on the first chunk). For each case every rank builds its pipeline chunks and,
 on the side, the whole model on one device with the same seed; both take two AdamW steps on
 the same global batch. Rank 0 writes, per case, the relative differences of the two losses and
 gradient norms, and the worst one over all gradients (each rank compares the parameters it
@@ -34,6 +35,7 @@ def run_case(case: str, acc) -> dict:
     fields = case.split(":")
     kind, pp, tp, dp, sp, zero = fields[0], *map(int, fields[1:6])
     tied = len(fields) > 6 and fields[6] == "tied"
+    layers = [int(n) for n in fields[7].split("-")] if len(fields) > 7 else []
     vpp = 2 if kind == "interleaved" else 1
     raw = {
         "model": {**MODEL, "max_seq_len": SEQ, "tie_embeddings": tied},
@@ -45,6 +47,7 @@ def run_case(case: str, acc) -> dict:
             "zero": zero,
             "pp_schedule": kind,
             "vpp": vpp,
+            "pp_layers": layers,
         },
         "precision": {"dtype": "fp32"},
         "train": {"micro_batch_size": MBS, "device": "cpu", "lr": 1e-2, "weight_decay": 0.1},

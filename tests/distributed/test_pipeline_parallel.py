@@ -53,6 +53,8 @@ def check(results: list[dict], cases: list[str]) -> None:
 def test_every_schedule_on_two_processes(tmp_path):
     cases = [f"{k}:2:1:1:0:0" for k in KINDS]
     cases += [f"{k}:2:1:1:0:0:tied" for k in ("1f1b", "zb-v", "dualpipe", "dualpipev")]
+    # Uneven splits: the embedding alone on chunk 0; the head alone on the last chunk.
+    cases += ["1f1b:2:1:1:0:0:untied:0-8", "zb-v:2:1:1:0:0:tied:3-3-2-0"]
     check(launch(2, cases, tmp_path), cases)
 
 

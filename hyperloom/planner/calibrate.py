@@ -106,12 +106,25 @@ def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: 
     times = []
     for n in sizes:
         x = torch.ones(n // 4, device=acc.device)
-        times.append(_best_time(lambda x=x: dist.all_reduce(x), acc.synchronize, 0.2, 3))
+        # A fixed number of runs: a time budget would let the ranks run different numbers of
+        # collectives and mismatch them.
+        dist.all_reduce(x)
+        best = float("inf")
+        for _ in range(6):
+            acc.synchronize()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            acc.synchronize()
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
     t = torch.tensor(times, device=acc.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(",".join(f"{v:.9g}" for v in t.tolist()))
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no gloo teardown at interpreter exit (see cli._leave)
 
 
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:

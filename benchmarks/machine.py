@@ -13,44 +13,20 @@ import os
 import platform
 import re
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hyperloom.accelerator import get_accelerator
+from hyperloom.accelerator import (  # noqa: F401 - the benchmarks call machine.peak_rss_bytes
+    get_accelerator,
+    peak_rss_bytes,
+    reset_peak_rss,
+)
 
 BUSY_CORES = 0.2  # a step is contended if other processes averaged more than this many cores
 QUIET_WAIT_S = 60  # before each run, wait up to this long for other processes to settle
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS mark to its current RSS (Linux >= 4.0); False if refused."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since it started or since `reset_peak_rss`.
-
-    Read from /proc/self/status (VmHWM), not `getrusage`: a spawned worker's `ru_maxrss` keeps
-    the RSS its parent had when it forked (Linux carries it across exec), which would charge
-    the parent's memory to every worker.
-    """
-    try:
-        status = Path("/proc/self/status").read_text()
-        match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-        if match:
-            return int(match.group(1)) * 1024
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
 def cpu_seconds() -> tuple[float, float] | None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -83,14 +85,23 @@ class Accelerator:
         mod = _module(self.kind)
         if mod is not None and hasattr(mod, "reset_peak_memory_stats"):
             mod.reset_peak_memory_stats(self.index)
+        elif self.kind == "cpu":
+            reset_peak_rss()
 
     def peak_memory_bytes(self) -> int:
-        """Peak allocated device memory; on CPU the process's peak resident set size."""
+        """Peak allocated device memory; on CPU the process's peak resident set size since
+        start or since `reset_peak_memory`."""
         mod = _module(self.kind)
         if mod is not None and hasattr(mod, "max_memory_allocated"):
             return int(mod.max_memory_allocated(self.index))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+        return peak_rss_bytes()
+
+    def current_memory_bytes(self) -> int:
+        """Allocated device memory now; on CPU the process's resident set size."""
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "memory_allocated"):
+            return int(mod.memory_allocated(self.index))
+        return _proc_status_kib("VmRSS") * 1024 or peak_rss_bytes()
 
     def rng_state(self) -> torch.Tensor | None:
         mod = _module(self.kind)
@@ -162,3 +173,34 @@ def measure_matmul_tflops(kind: str, dtype_name: str, size: int = 0) -> float:
 def norm_accumulator(device: torch.device) -> torch.dtype:
     """dtype for summing squared gradients: float64 wherever the device has it (not MPS)."""
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _proc_status_kib(field: str) -> int:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return 0
+    return int(match.group(1)) if match else 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark to its current RSS (Linux >= 4.0); False if refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started or since `reset_peak_rss`.
+
+    Read from /proc/self/status (VmHWM), not `getrusage`: a spawned worker's `ru_maxrss` keeps
+    the RSS its parent had when it forked (Linux carries it across exec), which would charge
+    the parent's memory to every worker; and only VmHWM can be reset.
+    """
+    kib = _proc_status_kib("VmHWM")
+    if kib:
+        return kib * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB

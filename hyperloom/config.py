@@ -213,6 +213,11 @@ class LoggingConfig:
     plot: bool = knob(True, "write loss_curve.png")
     sample_prompt: str = knob("def ", "prompt for the sample printed after training ('' = none)")
     sample_tokens: int = knob(96, "tokens to generate for that sample")
+    self_check: str = knob(
+        "auto",
+        "planner's predicted step time and memory beside the measured ones: auto (a profile "
+        "of this machine, measured once and cached), off, or a `plan calibrate` JSON",
+    )
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ def tiny_job(run_dir: str | os.PathLike, **overrides: object) -> list[str]:
         "logging.plot": "false",
         "logging.sample_tokens": 0,
         "logging.peak_tflops": 1,
+        "logging.self_check": "off",
         "logging.log_every": 1,
     }
     values.update({k.replace("__", "."): v for k, v in overrides.items()})

@@ -31,7 +31,7 @@ from rich.console import Console
 
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import ACCELERATORS, Cluster, get_accelerator
-from hyperloom.planner.strategy import RUNTIMES, Strategy
+from hyperloom.planner.strategy import RUNTIMES
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -87,8 +87,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="achieved fraction of the compute roofline (docs/planner.md fits 0.8)",
     )
     p.add_argument("--margin-gib", type=float, default=6.0, help="memory kept free per device")
-    p.add_argument("--schedule", default="1f1b", help="CONFIG mode: pipeline schedule kind")
-    p.add_argument("--vpp", type=int, default=1, help="CONFIG mode: chunks per rank")
+    p.add_argument(
+        "--schedule", default=None, help="CONFIG mode: schedule kind (default: the job's)"
+    )
+    p.add_argument("--vpp", type=int, default=None, help="CONFIG mode: chunks per rank")
     p.add_argument(
         "--recompute",
         default="none",
@@ -193,6 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hyperloom.planner import report
     from hyperloom.planner.model import ModelSpec
     from hyperloom.planner.search import SearchSpace, search
+    from hyperloom.planner.selfcheck import job_strategy
     from hyperloom.planner.simulate import predict
 
     out, rt = _console(), _runtime(args)
@@ -202,22 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if job.precision.dtype != "bf16":
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
         spec = ModelSpec.from_model_config(job.model)
-        par, tr = job.parallel, job.train
-        s = Strategy(
-            tp=par.tp,
-            pp=par.pp,
-            dp=par.dp,
-            cp=par.cp,
-            zero=par.zero,
-            sp=par.sp,
-            order=par.order,
-            mbs=tr.micro_batch_size,
-            microbatches=tr.grad_accum,
-            schedule=args.schedule,
-            vpp=args.vpp,
-            recompute=args.recompute,
-            fp8=args.fp8,
-        )
+        s = job_strategy(job, args.schedule, args.vpp, args.recompute, True if args.fp8 else None)
         seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
     else:
         if not args.model:

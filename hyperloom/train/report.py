@@ -184,6 +184,6 @@ def summary_table(summary: dict[str, Any]) -> Table:
         return str(value)
 
     for key, value in summary.items():
-        if key != "sample" and value is not None:
+        if key != "sample" and value is not None and not isinstance(value, dict):
             table.add_row(key.replace("_", " "), fmt(value))
     return table

@@ -67,6 +67,8 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         torch.manual_seed(t.seed)
         self.data = data or self._build_data()
+        # What this rank holds before the model: the planner's self-check predicts the rest.
+        self.memory_baseline = self.acc.current_memory_bytes()
         if cfg.parallel.pp > 1:  # stages of the model on this rank, run by a schedule
             self.pm = build_pipeline(
                 cfg, self.mesh, self.acc.device, lambda: self.acc.autocast(self.dtype)
@@ -241,6 +243,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _self_check(self, step_s: float, peak_bytes: float) -> dict[str, Any]:
+        """The planner's prediction for this job beside the measurement (planner.selfcheck)."""
+        from hyperloom.data.build import cache_root
+        from hyperloom.planner.hardware import load_profile
+        from hyperloom.planner.selfcheck import cached_profile, self_check
+
+        cfg, world = self.cfg, self.mesh.world_size
+        choice = cfg.logging.self_check
+        try:
+            if choice == "auto":
+                root = cache_root(cfg.data)
+                profile = cached_profile(root, self.acc.kind, cfg.precision.dtype, world)
+            else:
+                profile = load_profile(choice)
+            return self_check(cfg, profile, world, step_s, peak_bytes)
+        except Exception as exc:  # noqa: BLE001 - a failed prediction must not fail the run
+            log.warning("planner self-check skipped: %s", exc)
+            return {"plan_error": str(exc)}
+
     def _mfu(self, tokens_per_s: float, peak_tflops: float) -> float:
         return tokens_per_s * self.flops_per_token / (peak_tflops * 1e12)
 
@@ -322,6 +343,7 @@ class Trainer:
             reporter.eval_metrics(self.step, val_loss)
         finally:
             reporter.close()
+        train_peak = self.acc.peak_memory_bytes()  # before the final save gathers the state
         ckpt_path = self.save(last_loss) if self.step > first_step else self.resumed_from
         trained_tokens = (self.step - first_step) * self.tokens_per_step
         tps = trained_tokens / train_time if train_time > 0 else None
@@ -345,6 +367,10 @@ class Trainer:
         }
         summary["layout"] = self.mesh.describe()
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
+        above_baseline = max(self._per_rank(train_peak - self.memory_baseline))
+        steps_run = self.step - first_step
+        if main and lg.self_check != "off" and steps_run:
+            summary.update(self._self_check(train_time / steps_run, above_baseline))
         if main:
             write_summary(self.run_dir, summary)
             if lg.plot:

@@ -132,7 +132,8 @@ def test_cli_predicts_a_job_config_with_pipeline(tmp_path, capsys):
     )
     assert rc == 0
     (plan,) = json.loads((tmp_path / "one.json").read_text())["plans"]
-    assert plan["strategy"]["pp"] == 2 and plan["strategy"]["microbatches"] == 4
+    # parallel.microbatches defaults to 2 x pp = 4 per flush, times grad_accum 4
+    assert plan["strategy"]["pp"] == 2 and plan["strategy"]["microbatches"] == 16
     assert plan["gpus"] == 8 and plan["seq"] == 4096
     assert "memory per pipeline rank" in capsys.readouterr().out
     with pytest.raises(PlanError, match="--model"):

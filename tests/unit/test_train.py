@@ -364,3 +364,26 @@ def test_corrupted_checkpoint_is_refused(trained, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="model.safetensors does not match its SHA-256"):
         load_for_inference(ckpt, device="cpu")
+
+
+def test_self_check_puts_the_planner_beside_the_measurement(tmp_path, tiny_job_args):
+    """With a profile, the summary carries predicted and measured step time and memory."""
+    from hyperloom.planner.hardware import get_accelerator, save_profile
+
+    profile = save_profile(get_accelerator("h100"), tmp_path / "h100.json")
+    cfg = job(tmp_path / "r", tiny_job_args, train__steps=2, logging__self_check=str(profile))
+    s = Trainer(cfg).run().summary
+    assert s["plan_profile"] == "h100"
+    assert 0 < s["predicted_step_s"] < s["measured_step_s"]  # an H100 beats two CPU cores
+    assert s["step_time_error"] == pytest.approx(s["predicted_step_s"] / s["measured_step_s"] - 1)
+    assert s["predicted_peak_memory_gb"] > 0 and s["measured_peak_memory_gb"] > 0
+    parts = s["predicted_memory_gib_by_part"]
+    assert parts["params"] > 0 and parts["optimizer"] == pytest.approx(2 * parts["params"])
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert saved["predicted_step_s"] == s["predicted_step_s"]
+
+
+def test_self_check_with_a_missing_profile_warns_and_trains(tmp_path, tiny_job_args):
+    cfg = job(tmp_path / "r", tiny_job_args, train__steps=1, logging__self_check="nope.json")
+    s = Trainer(cfg).run().summary
+    assert "nope.json" in s["plan_error"] and s["steps"] == 1

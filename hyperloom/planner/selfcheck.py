@@ -1,0 +1,115 @@
+"""The planner checks itself in every training run.
+
+`hyperloom train` ends by asking the planner what this very job (model, layout, schedule,
+micro-batches) should have cost on this machine, and prints the answer beside what it
+measured: the mean seconds per optimizer step of the training steps (evaluation and
+checkpoints excluded) and the peak memory of the busiest rank above what it held before the
+model was built (the runtime, the data and the interpreter are not the planner's to
+predict). Both go to `summary.json` with their relative errors, so every run is one more
+validation point of the cost model, not a separate experiment.
+
+The prediction is only as good as the hardware numbers. `logging.self_check` names them:
+
+- ``auto`` (default): a profile this machine measured, cached per (device kind, dtype, world
+  size) under the hyperloom cache; measured once, quickly (`calibrate(quick=True)`), on first
+  use. Collectives are measured only when the job has more than one rank.
+- a path: a profile JSON written by ``hyperloom plan calibrate --out FILE``.
+- ``off``: no prediction.
+
+What the check does not model: on CPU the measured time includes other processes sharing
+the cores (see benchmarks/README.md); the planner costs one pipeline flush of
+`microbatches x grad_accum` micro-batches where the trainer runs `grad_accum` flushes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hyperloom.config import JobConfig, pipeline_microbatches
+from hyperloom.planner.errors import PlanError
+from hyperloom.planner.hardware import GIB, Accelerator, Cluster, load_profile, save_profile
+from hyperloom.planner.model import ModelSpec
+from hyperloom.planner.strategy import Strategy
+
+log = logging.getLogger("hyperloom.planner")
+
+
+def job_strategy(
+    job: JobConfig,
+    schedule: str | None = None,
+    vpp: int | None = None,
+    recompute: str = "none",
+    fp8: bool | None = None,
+) -> Strategy:
+    """The planner's `Strategy` for a training job (schedule, vpp and fp8 from the job unless
+    given)."""
+    par, tr = job.parallel, job.train
+    kind = schedule or (par.pp_schedule if par.pp > 1 else "1f1b")
+    chunks = vpp or (par.vpp if kind == "interleaved" else 1)
+    return Strategy(
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        cp=par.cp,
+        zero=par.zero,
+        sp=par.sp,
+        order=par.order,
+        mbs=tr.micro_batch_size,
+        microbatches=pipeline_microbatches(par) * tr.grad_accum,
+        schedule=kind,
+        vpp=chunks,
+        recompute=recompute,
+        fp8=job.precision.fp8 != "none" if fp8 is None else fp8,
+    )
+
+
+def cached_profile(cache: Path, kind: str, dtype: str, world: int) -> Accelerator:
+    """This machine's measured profile for (device kind, dtype, world); measured if absent."""
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}.json"
+    if path.exists():
+        return load_profile(path)
+    from hyperloom.planner.calibrate import calibrate
+
+    log.info("calibrating the planner on this machine once (cached in %s)", path)
+    profile, raw = calibrate(kind, dtype, quick=True, collectives=world > 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, path, {"measurements": raw})
+    return profile
+
+
+def self_check(
+    job: JobConfig,
+    profile: Accelerator,
+    world: int,
+    measured_step_s: float | None,
+    measured_peak_bytes: float | None,
+) -> dict[str, Any]:
+    """Predicted vs measured step time and peak memory, flat keys for summary.json."""
+    from hyperloom.planner.simulate import predict
+
+    spec = ModelSpec.from_model_config(job.model, job.model.preset)
+    strategy = job_strategy(job)
+    cluster = Cluster(profile, world, gpus_per_node=world)
+    try:
+        plan = predict(spec, cluster, strategy, job.data.seq_len, "hyperloom", margin_gib=0.0)
+    except PlanError as exc:
+        return {"plan_error": str(exc)}
+    out: dict[str, Any] = {
+        "plan_profile": profile.name,
+        "predicted_step_s": plan.step_time,
+        "measured_step_s": measured_step_s,
+        "predicted_peak_memory_gb": plan.peak_memory / 1e9,
+        "measured_peak_memory_gb": None
+        if measured_peak_bytes is None
+        else measured_peak_bytes / 1e9,
+    }
+    if measured_step_s:
+        out["step_time_error"] = plan.step_time / measured_step_s - 1
+    if measured_peak_bytes:
+        out["memory_error"] = plan.peak_memory / measured_peak_bytes - 1
+    out["predicted_memory_gib_by_part"] = {
+        k: round(v / GIB, 4) for k, v in plan.memory[0].to_dict().items()
+    }
+    return out

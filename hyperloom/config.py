@@ -198,6 +198,9 @@ class CheckpointConfig:
     resume: str = knob(
         "auto", "auto = newest checkpoint in the run dir; none; or a checkpoint path"
     )
+    async_save: bool = knob(
+        False, "stage a CPU copy and write it in a background thread while training goes on"
+    )
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,33 @@ class LoggingConfig:
         "auto",
         "planner's predicted step time and memory beside the measured ones: auto (a profile "
         "of this machine, measured once and cached), off, or a `plan calibrate` JSON",
+    )
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """Anomaly detection, recovery, hang watchdog and fault drills (hyperloom.resilience)."""
+
+    on_anomaly: str = knob(
+        "skip",
+        "on NaN/Inf or a spike: skip the update, rollback to the last stable checkpoint, "
+        "stop, or none (no checks, no per-step sync)",
+        choices=["skip", "rollback", "stop", "none"],
+    )
+    window: int = knob(128, "healthy steps in the running mean/sigma/max of loss and grad norm")
+    sigma: float = knob(6.0, "a spike is above mean + sigma x std of the window")
+    max_factor: float = knob(10.0, "... or above this factor x the window's maximum")
+    warmup: int = knob(64, "healthy steps before spikes are checked (NaN/Inf always are)")
+    stable_steps: int = knob(10, "healthy steps after a checkpoint that make it stable")
+    lr_factor: float = knob(1.0, "multiply the learning rate by this after each rollback")
+    max_rollbacks: int = knob(3, "give up after this many rollbacks within rollback_window")
+    rollback_window: int = knob(1000, "steps over which rollbacks are counted")
+    watchdog_s: float = knob(0.0, "exit (for torchrun to restart) after this long without a step")
+    max_stalled_restarts: int = knob(3, "stop after this many restarts without progress")
+    inject: str = knob(
+        "",
+        "fault drill: kind@step[,...] with kind nan_grad, loss_spike, crash, hang, "
+        "kill_during_save (also from HYPERLOOM_INJECT)",
     )
 
 
@@ -249,6 +279,7 @@ class JobConfig:
     data: DataConfig = knob(doc="data", factory=DataConfig)
     checkpoint: CheckpointConfig = knob(doc="checkpoints", factory=CheckpointConfig)
     logging: LoggingConfig = knob(doc="reporting", factory=LoggingConfig)
+    resilience: ResilienceConfig = knob(doc="self-healing training", factory=ResilienceConfig)
     ops: OpsConfig = knob(doc="fused operators", factory=OpsConfig)
 
 
@@ -583,6 +614,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     if c.every < 0:
         p.append(f"checkpoint.every must be >= 0 (0 = only at the end), got {c.every}")
     positive("checkpoint.keep", c.keep)
+    p.extend(_resilience_problems(cfg))
     positive("logging.log_every", lg.log_every)
     if lg.peak_tflops < 0:
         p.append(f"logging.peak_tflops must be >= 0 (0 = measure), got {lg.peak_tflops}")
@@ -620,6 +652,32 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     if p:
         raise ConfigError(p)
+
+
+def _resilience_problems(cfg: JobConfig) -> list[str]:
+    from hyperloom.resilience.inject import parse_inject
+
+    r, p = cfg.resilience, []
+    for key, least in (("window", 2), ("max_rollbacks", 1), ("rollback_window", 1)):
+        if getattr(r, key) < least:
+            p.append(f"resilience.{key} must be >= {least}, got {getattr(r, key)}")
+    if r.sigma <= 0 or r.max_factor <= 1:
+        p.append(f"need resilience.sigma > 0 and max_factor > 1, got {r.sigma}, {r.max_factor}")
+    for key in ("warmup", "stable_steps", "watchdog_s", "max_stalled_restarts"):
+        if getattr(r, key) < 0:
+            p.append(f"resilience.{key} must be >= 0, got {getattr(r, key)}")
+    if not 0 < r.lr_factor <= 1:
+        p.append(f"resilience.lr_factor must lie in (0, 1], got {r.lr_factor}")
+    if r.on_anomaly == "rollback" and cfg.checkpoint.every == 0:
+        p.append(
+            "resilience.on_anomaly = 'rollback' needs periodic checkpoints to roll back to; "
+            "set checkpoint.every > 0 (or use 'skip' or 'stop')"
+        )
+    try:
+        parse_inject(r.inject)
+    except ValueError as exc:
+        p.append(f"resilience.inject: {exc}")
+    return p
 
 
 def pipeline_microbatches(par: ParallelConfig) -> int:

@@ -9,8 +9,13 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step_00000300/` holding
 
 It is written into `step_….tmp/` and renamed into place only when complete, so a crash
 mid-save never leaves a directory that looks finished; `latest_checkpoint` ignores anything
-else. The resilience work (sharded, asynchronous saves) replaces the writer, not the layout's
-promise: a checkpoint directory without `.tmp` is whole.
+else. `meta.json` is the commit record, like DCP's `.metadata` (REFERENCE §5.1): it is
+written last, after every other file has been written and fsynced, and it carries the SHA-256
+manifest of those files; the directory rename then publishes the whole, and the parent
+directory is fsynced so the rename survives a power cut. A directory without `meta.json`, or
+whose files do not match it, is never loaded: `latest_verified` falls back to the newest
+checkpoint that is committed and verifies (hyperloom.resilience.checkpoint adds the
+asynchronous writer on top).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +73,14 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -75,8 +89,14 @@ def save_checkpoint(
     extra_files: dict[str, str | bytes],
     meta: dict[str, Any],
     keep: int,
+    protect: frozenset[int] = frozenset(),
+    after_first_file: Callable[[], None] | None = None,
 ) -> Path:
-    """Write a complete checkpoint atomically and prune to the newest `keep`."""
+    """Write a complete checkpoint atomically and prune to the newest `keep`.
+
+    Checkpoints at the steps in `protect` (the last stable one) survive pruning.
+    `after_first_file` runs once the weights are on disk (a drill kills the process there).
+    """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -86,20 +106,33 @@ def save_checkpoint(
     # safetensors wants contiguous tensors that do not share storage.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()}
     save_file(tensors, str(tmp / "model.safetensors"))
+    if after_first_file is not None:
+        after_first_file()
     torch.save(train_state, tmp / "train_state.pt")
     for name, content in extra_files.items():
         mode = "wb" if isinstance(content, bytes) else "w"
         with (tmp / name).open(mode) as f:
             f.write(content)
+    for p in tmp.iterdir():
+        _fsync(p)
     hashes = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    # The commit record, written last: without it the directory is not a checkpoint.
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sha256": hashes}, indent=2))
+    _fsync(tmp / "meta.json")
     if final.exists():  # re-saving the same step (e.g. after a rollback) replaces it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)
     log.info("saved checkpoint %s", final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    committed = list_checkpoints(run_dir)
+    for old in committed[:-keep]:
+        if checkpoint_step(old) not in protect:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(ckpt.name.split("_")[1])
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -140,6 +173,26 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
         if _sha256(f) != digest:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its SHA-256")
     return meta
+
+
+def latest_verified(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint whose files match their SHA-256, and a sentence for
+    each newer directory that was passed over (uncommitted or corrupted)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None, []
+    found = [p for p in root.iterdir() if p.is_dir() and re.match(r"^step_\d{8}", p.name)]
+    rejected = []
+    for ckpt in sorted(found, key=lambda p: (p.name[:13], p.name), reverse=True):
+        if not _STEP_RE.match(ckpt.name) or not (ckpt / "meta.json").is_file():
+            rejected.append(f"{ckpt.name} is not committed (no meta.json): an interrupted save")
+            continue
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt, rejected
+        except (CheckpointError, ValueError, OSError) as exc:
+            rejected.append(str(exc))
+    return None, rejected
 
 
 def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -130,6 +130,10 @@ class Reporter:
         self._write({"event": "eval", "step": step, "val_loss": val_loss})
         log.info("step %d | validation loss %.4f", step, val_loss)
 
+    def event(self, record: dict[str, Any]) -> None:
+        """Any other record (resilience events: anomaly, rollback, ...), written at once."""
+        self._write(record)
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()

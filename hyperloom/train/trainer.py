@@ -38,6 +38,7 @@ from hyperloom.parallel.state import (
     load_full_optimizer_state,
 )
 from hyperloom.pipeline.runtime import build_pipeline
+from hyperloom.resilience.guard import Guard
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.optim import lr_at
 from hyperloom.train.report import Reporter, write_summary
@@ -96,6 +97,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
+        self.lr_scale = 1.0  # lowered by resilience rollbacks (resilience.lr_factor)
+        self.guard = Guard(self)  # anomaly checks, recovery, checkpoint writer, watchdog
 
     def _build_data(self) -> DataBundle:
         # The main rank fills the cache first; the others then read it instead of racing.
@@ -112,8 +115,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def save(self, last_loss: float | None) -> Path:
-        """Checkpoint with whole tensors (a collective; the main rank writes)."""
+    def save(self, last_loss: float | None, wait: bool = False) -> Path:
+        """Checkpoint with whole tensors (a collective; the main rank writes, maybe in the
+        background: `wait` returns only once it is committed)."""
         model_state = full_model_state(self.pm)
         train_state = {
             "step": self.step,
@@ -123,19 +127,19 @@ class Trainer:
             "rng": self._per_rank(ckpt.rng_state(self.acc.rng_state())),
             "layout": self.mesh.describe(),
             "fp8": fp8_state_dict(self.model),  # delayed-scaling amax histories and scales
+            "resilience": self.guard.state_dict(),  # LR scale after rollbacks, spike stats
         }
         path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
         if self.mesh.is_main:
             tok_json = self.run_dir / ".tokenizer.json"
             self.data.tokenizer.save(tok_json)
-            path = ckpt.save_checkpoint(
-                self.run_dir,
+            path = self.guard.save(
                 self.step,
                 model_state,
                 train_state,
                 {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()},
                 {"tokens_seen": self.tokens_seen, "loss": last_loss},
-                keep=self.cfg.checkpoint.keep,
+                wait=wait,
             )
             tok_json.unlink()
         self._barrier()
@@ -145,14 +149,17 @@ class Trainer:
         choice = self.cfg.checkpoint.resume
         if choice == "none":
             return
-        path = (
-            ckpt.latest_checkpoint(self.run_dir)
-            if choice == "auto"
-            else ckpt.resolve_checkpoint(choice)
-        )
+        if choice == "auto":  # newest committed and verified; each one passed over is told
+            path = self.guard.latest_checkpoint()
+        else:
+            path = ckpt.resolve_checkpoint(choice)
+            ckpt.verify_checkpoint(path)
         if path is None:
             return
-        ckpt.verify_checkpoint(path)
+        self.load_checkpoint(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore everything a verified checkpoint holds (also a resilience rollback)."""
         state = ckpt.load_train_state(path)
         try:
             load_full_model_state(self.pm, ckpt.load_model_state(path))
@@ -169,6 +176,7 @@ class Trainer:
         mine = rngs[self.mesh.global_rank] if len(rngs) == self.mesh.world_size else rngs[0]
         self.acc.set_rng_state(ckpt.restore_rng(mine))
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.guard.load_state_dict(state.get("resilience", {}))
         self.resumed_from = path
         log.info(
             "resumed from %s at step %d (saved with %s)",
@@ -201,11 +209,13 @@ class Trainer:
                     loss = self.fwd(inputs, labels=labels) / t.grad_accum
                 loss.backward()
             total += loss.detach()
+        self.guard.inject_grads(self.step + 1, total)  # fault drills only
         grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)
-        lr = lr_at(self.step, t)
+        lr = lr_at(self.step, t) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if self.guard.healthy(self.step + 1, total, grad_norm):  # else the update is dropped
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -311,7 +321,9 @@ class Trainer:
         last_loss = val_loss = None
         train_time = 0.0
         reporter.start(first_step)
+        self.guard.attach(reporter.event)
         try:
+            self.guard.start(self.step)  # restart-loop guard, watchdog
             while self.step < end_step:
                 loss, grad_norm = self.train_step()
                 window.add(loss, self.tokens_per_step)
@@ -331,6 +343,7 @@ class Trainer:
                         "elapsed_s": time.perf_counter() - wall_start,
                     }
                     reporter.train_metrics(record, t.steps, peak)
+                self.guard.after_step()  # rollback or stop, drills, watchdog heartbeat
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:
                     val_loss = self.evaluate()
                     reporter.eval_metrics(self.step, val_loss)
@@ -342,9 +355,10 @@ class Trainer:
             val_loss = self.evaluate()
             reporter.eval_metrics(self.step, val_loss)
         finally:
+            self.guard.close()
             reporter.close()
         train_peak = self.acc.peak_memory_bytes()  # before the final save gathers the state
-        ckpt_path = self.save(last_loss) if self.step > first_step else self.resumed_from
+        ckpt_path = self.save(last_loss, wait=True) if self.step > first_step else self.resumed_from
         trained_tokens = (self.step - first_step) * self.tokens_per_step
         tps = trained_tokens / train_time if train_time > 0 else None
         summary = {

@@ -1,0 +1,140 @@
+"""Asynchronous checkpoint saves: stage a CPU copy, write it in the background, commit last.
+
+A save has two halves with very different costs. **Staging** copies every tensor of the
+state into private CPU memory (pinned, with one device sync, when the state lives on an
+accelerator); training cannot go on until it is done, because the next optimizer step
+overwrites the very tensors being saved. **Writing** (safetensors + torch.save, fsync,
+SHA-256 manifest, rename, pruning) only reads the staged copy, so it can overlap the next
+steps. This is DCP's `async_save` split into `staging_completion` and `upload_completion`
+(REFERENCE §5.2) and torchtitan's `async_mode`; the measured stall goes from the whole save
+to the copy (benchmarks/checkpoint_stall.py).
+
+Choices and their reasons:
+
+- **Format.** The writer keeps hyperloom's whole-tensor, layout-free checkpoint
+  (hyperloom/train/checkpoint.py): the main rank writes tensors that every rank gathered. It
+  loads into any layout and world size; it does not scale to models whose full state does not
+  fit one host, which is where sharded `torch.distributed.checkpoint` saves would take over.
+- **Thread, not process.** File writes and hashing release the GIL, so a thread costs little
+  here and needs no shared memory; DCP's PROCESS mode avoids GIL contention for the Python
+  parts of large sharded saves.
+- **One save in flight.** A new save first waits for the previous one (that wait is counted
+  as stall), so staged copies never pile up in host RAM: at most one extra copy of the state.
+- **Commit.** The writer's `meta.json` (SHA-256 manifest) is written last and the directory
+  renamed into place, so a process killed mid-save leaves only `step_N.tmp/`, which is never
+  loaded; "latest" is the newest committed checkpoint that verifies (`latest_verified`).
+- **Failures.** A writer that raises is reported (event `checkpoint_failed`) at the next save
+  or at the end, and the next save starts a fresh write; the previous committed checkpoint
+  stays the latest. A writer killed with the process leaves the previous one committed too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyperloom.train import checkpoint as ckpt
+
+log = logging.getLogger("hyperloom.resilience")
+
+
+def stage(obj: Any, pin: bool = False) -> Any:
+    """A deep copy of `obj` whose tensors are private CPU copies (the containers too)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+    if isinstance(obj, dict):
+        return {k: stage(v, pin) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [stage(v, pin) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(stage(v, pin) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Saves checkpoints synchronously or in one background thread, with the same bytes."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        keep: int,
+        async_save: bool,
+        on_failure: Callable[[int, BaseException], None] | None = None,
+    ) -> None:
+        self.run_dir, self.keep, self.async_save = Path(run_dir), keep, async_save
+        self.on_failure = on_failure
+        self._thread: threading.Thread | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self.stall_s: list[float] = []  # time the training thread spent in each save
+        self.last_committed: Path | None = None
+
+    def save(
+        self,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        train_state: dict[str, Any],
+        extra_files: dict[str, str | bytes],
+        meta: dict[str, Any],
+        protect: frozenset[int] = frozenset(),
+        after_first_file: Callable[[], None] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> Path:
+        """Stage the state and write it (now, or in the background). Returns the final path;
+        in async mode it is committed only once `wait()` has returned without error."""
+        start = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        staged = stage((model_state, train_state), pin=torch.cuda.is_available())
+        if synchronize is not None:
+            synchronize()  # non-blocking device-to-host copies have landed
+        args = (self.run_dir, step, *staged, extra_files, meta, self.keep, protect)
+        if self.async_save:
+            self._thread = threading.Thread(
+                target=self._write,
+                args=(step, args, after_first_file),
+                name=f"hyperloom-ckpt-{step}",
+                daemon=True,
+            )
+            self._thread.start()
+        else:
+            self._write(step, args, after_first_file)
+            self._raise_pending()
+        self.stall_s.append(time.perf_counter() - start)
+        return ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+
+    def _write(self, step: int, args: tuple, after_first_file) -> None:
+        try:
+            self.last_committed = ckpt.save_checkpoint(*args, after_first_file=after_first_file)
+        except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+            self._error = (step, exc)
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed (or failed, which is reported)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._error is None:
+            return
+        step, exc = self._error
+        self._error = None
+        if self.on_failure is not None:
+            self.on_failure(step, exc)
+        else:
+            raise ckpt.CheckpointError(f"saving the checkpoint of step {step} failed: {exc}")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,123 @@
+"""Fault injection for drills and tests: `resilience.inject = "kind@step[:rRANK],..."`.
+
+Kinds, each firing once per run directory (a marker under RUN_DIR/drills/ remembers that it
+fired, so a restarted or rolled-back run does not meet the same fault again):
+
+- `nan_grad@k`: after the backward of step k, one gradient becomes NaN;
+- `loss_spike@k`: step k's loss and gradients are multiplied by `SPIKE_FACTOR`;
+- `crash@k`: the process dies (`os._exit`, like `kill -9`: no cleanup, no flush of an
+  in-flight checkpoint) right after step k's update;
+- `hang@k`: the process stops making progress after step k (the watchdog's job);
+- `kill_during_save@k`: the process dies while the checkpoint of step k is half written.
+
+Without `:rN` the numeric faults hit every rank and the process faults hit rank 0. The
+variable HYPERLOOM_INJECT adds specs to the config's, for drills on an existing config.
+NVRx's `inject_fault.py` and Megatron's dist-checkpointing tests inject the same kinds of
+faults (REFERENCE §5.4, §5.9).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hyperloom.resilience")
+
+KINDS = ("nan_grad", "loss_spike", "crash", "hang", "kill_during_save")
+NUMERIC = ("nan_grad", "loss_spike")
+SPIKE_FACTOR = 30.0
+CRASH_EXIT = 43  # exit status of an injected crash (distinct from errors, 1, and usage, 2)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None  # None: every rank for numeric faults, rank 0 otherwise
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}@{self.step}" + ("" if self.rank is None else f":r{self.rank}")
+
+    def hits(self, rank: int) -> bool:
+        if self.rank is not None:
+            return rank == self.rank
+        return self.kind in NUMERIC or rank == 0
+
+
+def parse_inject(spec: str) -> list[Fault]:
+    """`"nan_grad@5,crash@7:r1"` -> faults; ValueError says what is allowed."""
+    faults = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        kind, _, rest = item.partition("@")
+        step_s, _, rank_s = rest.partition(":")
+        ok = kind in KINDS and step_s.isdigit() and int(step_s) >= 1
+        ok = ok and (not rank_s or (rank_s[:1] == "r" and rank_s[1:].isdigit()))
+        if not ok:
+            raise ValueError(
+                f"cannot read {item!r}: write kind@step or kind@step:rRANK with kind one of "
+                f"{', '.join(KINDS)} and step >= 1 (e.g. nan_grad@5, crash@4:r1)"
+            )
+        faults.append(Fault(kind, int(step_s), int(rank_s[1:]) if rank_s else None))
+    return faults
+
+
+class FaultInjector:
+    """Fires the configured faults at their steps, each once per run directory."""
+
+    def __init__(self, spec: str, run_dir: Path, rank: int) -> None:
+        spec = ",".join(s for s in (spec, os.environ.get("HYPERLOOM_INJECT", "")) if s)
+        self.faults = [f for f in parse_inject(spec) if f.hits(rank)]
+        self.marks = run_dir / "drills"
+        self.rank = rank
+
+    def _take(self, kind: str, step: int) -> Fault | None:
+        for f in self.faults:
+            if f.kind == kind and f.step == step:
+                mark = self.marks / f"fired.{f.name}.rank{self.rank}"
+                if mark.exists():
+                    return None
+                self.marks.mkdir(parents=True, exist_ok=True)
+                mark.write_text(f"{time.time()}\n")
+                log.warning("drill: injecting %s on rank %d", f.name, self.rank)
+                return f
+        return None
+
+    def grads(self, step: int, params: list[torch.nn.Parameter], loss: torch.Tensor) -> None:
+        """After backward of `step`: poison or scale the gradients (and the reported loss)."""
+        if not self.faults:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if self._take("nan_grad", step) and grads:
+            g = grads[0]
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
+        if self._take("loss_spike", step):
+            loss.mul_(SPIKE_FACTOR)
+            for g in grads:
+                g.mul_(SPIKE_FACTOR)
+
+    def after_step(self, step: int) -> None:
+        """After the update of `step`: crash or hang here."""
+        if self.faults and self._take("crash", step):
+            die()
+        if self.faults and self._take("hang", step):
+            while True:  # only the watchdog (or a signal) ends this
+                time.sleep(3600)
+
+    def kills_save(self, step: int) -> bool:
+        return bool(self.faults) and self._take("kill_during_save", step) is not None
+
+
+def die() -> None:
+    """Leave now, like `kill -9`: no atexit handlers, no destructors, no flushed writers."""
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(CRASH_EXIT)

@@ -1,0 +1,87 @@
+"""Recovery policy: what to do about an anomalous step, and when to give up.
+
+`resilience.on_anomaly` chooses among
+
+- **skip**: drop the update (the gradients are zeroed, the optimizer does not step) and go
+  on with the next batch. Cheap and local; right for a rare bad batch. This is OLMo-core's
+  skip-step and torchft's "discard the failed step" (REFERENCE §5.5, §5.7).
+- **rollback**: restore the last *stable* checkpoint, one that was followed by
+  `stable_steps` healthy steps (the state right before a spike may already be the cause),
+  advance the data loader past the window of batches that led to the anomaly, optionally
+  multiply the learning rate by `lr_factor`, and continue. PaLM restarted about 100 steps
+  before a spike and skipped 200-500 batches: spikes came from the combination of a data
+  window and a parameter state, so replaying the same data from the same state repeats them.
+- **stop**: end the run with a report; nothing anomalous was applied or checkpointed.
+
+A rollback that keeps recurring means the fault is not transient: after `max_rollbacks`
+rollbacks within `rollback_window` steps the run gives up with a report of each one, instead
+of looping. If no stable checkpoint exists yet (early in the run), the step is skipped and
+the event says so.
+
+Stability is judged on this process's timeline: a committed checkpoint at step s is stable
+at step n when n >= s + stable_steps and no anomaly was seen in (s, s + stable_steps].
+Checkpoints newer than the rollback target belong to the abandoned timeline and are deleted,
+so that a crash right after a rollback cannot resume into it. Pruning (`checkpoint.keep`)
+never deletes the newest stable checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyperloom.resilience.anomaly import Anomaly
+
+
+class TrainingHalted(RuntimeError):
+    """The run stopped on purpose: an anomaly under on_anomaly = 'stop', or too many
+    rollbacks. The message is the report."""
+
+
+@dataclass
+class RecoveryPolicy:
+    action: str  # skip | rollback | stop | none
+    stable_steps: int
+    max_rollbacks: int
+    rollback_window: int
+    anomalies: list[int] = field(default_factory=list)  # steps, this timeline
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (anomaly step, target)
+
+    def stable_checkpoint(self, committed: list[int], now: int) -> int | None:
+        """Newest checkpoint step that `stable_steps` healthy steps followed by step `now`."""
+        for s in sorted(committed, reverse=True):
+            if s + self.stable_steps <= now and not any(
+                s < a <= s + self.stable_steps for a in self.anomalies
+            ):
+                return s
+        return None
+
+    def decide(self, anomaly: Anomaly, committed: list[int]) -> tuple[str, int | None]:
+        """("skip" | "rollback" | "stop" | "give_up", rollback target step)."""
+        self.anomalies.append(anomaly.step)
+        if self.action == "stop":
+            return "stop", None
+        if self.action != "rollback":
+            return "skip", None
+        recent = [a for a, _ in self.rollbacks if a > anomaly.step - self.rollback_window]
+        if len(recent) >= self.max_rollbacks:
+            return "give_up", None
+        target = self.stable_checkpoint(committed, anomaly.step - 1)
+        if target is None:
+            return "skip", None
+        self.rollbacks.append((anomaly.step, target))
+        # The steps after the target are replayed on other data: their history is void.
+        self.anomalies = [a for a in self.anomalies if a <= target]
+        return "rollback", target
+
+    def give_up_report(self, anomaly: Anomaly) -> str:
+        lines = [
+            f"gave up at step {anomaly.step}: {anomaly.detail}; this would be rollback "
+            f"{len(self.rollbacks) + 1}, more than resilience.max_rollbacks = "
+            f"{self.max_rollbacks} within {self.rollback_window} steps. Rollbacks so far:"
+        ]
+        lines += [f"  anomaly at step {a} -> back to step {t}" for a, t in self.rollbacks]
+        lines.append(
+            "The fault keeps coming back: inspect events.log and the data around these steps, "
+            "lower train.lr, or raise resilience.max_rollbacks."
+        )
+        return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Hangs and restart loops: a progress watchdog and a guard against restarting in vain.
+
+**Watchdog.** A rank that stops making progress (a peer died inside a collective, a device
+wedged, a deadlock) blocks the whole job without failing it, and torchrun only restarts a
+group when a process *exits*. So a daemon thread watches the time since the last completed
+step; after `timeout_s` it writes every thread's Python stack (faulthandler) to
+`RUN_DIR/hang_rank{R}.txt`, logs where to find it, and leaves with `HANG_EXIT`. torchrun
+(`hyperloom train --nproc N --max-restarts R`) then restarts the group, which resumes from
+the newest committed checkpoint. This is NVRx's in-job restart (`ft_launcher`) reduced to
+one host and a fixed timeout: NVRx learns its timeouts and multiplies by a safety factor of
+5, and its in-process restart keeps soft < hard < barrier timeouts (REFERENCE §5.4). The
+timeout must exceed the slowest legitimate gap between steps (first-step compilation,
+validation, a synchronous save); `heartbeat()` is called around those phases as well.
+
+**Restart guard.** A fault that comes back after every restart (bad node, bad data, a
+corrupted state that still verifies) would make torchrun burn all its restarts. Each start
+of a restarted group records the step it resumed from in `RUN_DIR/restarts.json`; when
+`limit` restarts in a row resumed from the same step, the guard gives up (NVRx stops after 3
+restarts without progress). Giving up must stop torchrun too, which restarts on any failure,
+so every rank leaves *successfully* and the file says why; `hyperloom train` reads it and
+exits with `GAVE_UP_EXIT` and the reason.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hyperloom.resilience")
+
+HANG_EXIT = 44  # a rank's exit status when the watchdog ended it
+GAVE_UP_EXIT = 3  # `hyperloom train`'s exit status when the restart guard gave up
+RESTARTS_FILE = "restarts.json"
+
+
+class Watchdog:
+    """Ends the process when `heartbeat()` has not been called for `timeout_s` seconds."""
+
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int, on_fire=None) -> None:
+        self.timeout_s, self.run_dir, self.rank = timeout_s, Path(run_dir), rank
+        self.on_fire = on_fire  # called with the stack file before exiting (an event)
+        self._last = time.monotonic()
+        self._step: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.timeout_s <= 0 or self._thread is not None:
+            return
+        self.heartbeat()
+        self._thread = threading.Thread(target=self._watch, name="hyperloom-watchdog", daemon=True)
+        self._thread.start()
+
+    def heartbeat(self, step: int | None = None) -> None:
+        self._last = time.monotonic()
+        if step is not None:
+            self._step = step
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self.fire(idle)
+
+    def fire(self, idle: float) -> None:
+        """Dump every thread's stack to the run dir and exit with HANG_EXIT."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / f"hang_rank{self.rank}.txt"
+        with path.open("w") as f:
+            f.write(
+                f"no progress for {idle:.1f} s (watchdog timeout {self.timeout_s:g} s) after "
+                f"step {self._step}; stacks of all threads:\n"
+            )
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        log.error(
+            "watchdog: no progress for %.1f s after step %s on rank %d; stacks in %s; exiting "
+            "with status %d so that torchrun restarts the group",
+            idle,
+            self._step,
+            self.rank,
+            path,
+            HANG_EXIT,
+        )
+        if self.on_fire is not None:
+            try:
+                self.on_fire(self._step, idle, path)
+            except Exception:  # noqa: BLE001 - the exit matters more than the event
+                pass
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(HANG_EXIT)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def record_start(run_dir: Path, resumed_step: int, limit: int) -> dict[str, Any]:
+    """Note this start in RUN_DIR/restarts.json (main rank only) and return the record; its
+    "gave_up" field is the reason to stop, or None."""
+    path = Path(run_dir) / RESTARTS_FILE
+    restart = restart_count()
+    state: dict[str, Any] = {"starts": [], "stalled": 0, "gave_up": None}
+    if restart > 0 and path.is_file():  # a fresh launch starts a fresh count
+        state = json.loads(path.read_text())
+    previous = state["starts"][-1]["step"] if state["starts"] else None
+    state["stalled"] = state["stalled"] + 1 if restart > 0 and previous == resumed_step else 0
+    state["starts"].append({"restart": restart, "step": resumed_step, "time": time.time()})
+    state["gave_up"] = None
+    if limit and state["stalled"] >= limit:
+        state["gave_up"] = (
+            f"{state['stalled']} restarts in a row resumed from step {resumed_step} without "
+            f"getting further (resilience.max_stalled_restarts = {limit}); the fault comes "
+            f"back every time: see events.log and hang_rank*.txt in {run_dir}"
+        )
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=2) + "\n")
+    return state
+
+
+def gave_up_reason(run_dir: Path) -> str | None:
+    """The restart guard's reason if the last start in `run_dir` gave up."""
+    path = Path(run_dir) / RESTARTS_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("gave_up")

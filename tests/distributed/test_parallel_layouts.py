@@ -1,12 +1,14 @@
 """Every parallel layout trains exactly like one process (gloo workers on CPU).
 
-Each layout runs `hyperloom train --nproc N` for 5 steps with the same global batch as the
-single-process reference; losses and gradient norms must agree to a relative 1e-5 (fp32).
+Each layout trains 5 steps with the same global batch as the single-process reference; losses
+and gradient norms must agree to a relative 1e-5 (fp32). World-2 layouts run through
+`hyperloom train --nproc 2`; worlds 4 and 8 run every layout in one torchrun launch each.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -81,10 +83,15 @@ def _case(world: int, layout: tuple[int, int, bool, int]):
     )
 
 
-@pytest.mark.parametrize(
-    "world,tp,dp,sp,zero", [_case(w, lay) for w in (2, 4, 8) for lay in layouts(w)]
-)
+def _check_run(reference: list[dict], run_dir: Path, world: int) -> None:
+    assert_same_training(reference, read_metrics(run_dir))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"].endswith(f"= {world}")
+
+
+@pytest.mark.parametrize("world,tp,dp,sp,zero", [_case(2, lay) for lay in layouts(2)])
 def test_layout_equals_single_process(reference, tiny_job_args, tmp_path, world, tp, dp, sp, zero):
+    """Through the CLI (`hyperloom train --nproc 2`), one launch per layout."""
     result = run(
         tiny_job_args,
         tmp_path,
@@ -96,9 +103,52 @@ def test_layout_equals_single_process(reference, tiny_job_args, tmp_path, world,
         train__micro_batch_size=GLOBAL_BATCH // dp,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_training(reference, read_metrics(tmp_path))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["layout"].endswith(f"= {world}")
+    _check_run(reference, tmp_path, world)
+
+
+@pytest.fixture(scope="module")
+def many_layouts(tiny_job_args, tmp_path_factory):
+    """Every layout of worlds 4 and 8, one torchrun launch per world (`layouts_worker.py`):
+    the same Trainer as the CLI, without paying interpreter and torch start-up per layout."""
+    out = tmp_path_factory.mktemp("layouts")
+    job = tiny_job_args(out / "unused", **MODEL)
+    job = job[: job.index("--logging.run_dir")] + job[job.index("--logging.run_dir") + 2 :]
+    worker = Path(__file__).with_name("layouts_worker.py")
+    launched: dict[int, subprocess.CompletedProcess] = {}
+
+    def launch(world: int) -> tuple[Path, subprocess.CompletedProcess]:
+        if world not in launched:
+            cases = [f"{tp}:{dp}:{int(sp)}:{zero}" for tp, dp, sp, zero in layouts(world)]
+            launched[world] = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    str(worker),
+                    str(out / f"w{world}"),
+                    *cases,
+                    "--",
+                    *job,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+                env={**os.environ, "LAYOUTS_GLOBAL_BATCH": str(GLOBAL_BATCH)},
+            )
+        return out / f"w{world}", launched[world]
+
+    return launch
+
+
+@pytest.mark.parametrize(
+    "world,tp,dp,sp,zero", [_case(w, lay) for w in (4, 8) for lay in layouts(w)]
+)
+def test_many_layouts_equal_single_process(reference, many_layouts, world, tp, dp, sp, zero):
+    out, result = many_layouts(world)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_run(reference, out / f"{tp}-{dp}-{int(sp)}-{zero}", world)
 
 
 def test_checkpoint_moves_between_layouts(reference, tiny_job_args, tmp_path):

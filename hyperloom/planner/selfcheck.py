@@ -16,14 +16,18 @@ The prediction is only as good as the hardware numbers. `logging.self_check` nam
 - a path: a profile JSON written by ``hyperloom plan calibrate --out FILE``.
 - ``off``: no prediction.
 
-What the check does not model: on CPU the measured time includes other processes sharing
-the cores (see benchmarks/README.md); the planner costs one pipeline flush of
+On CPU the calibrated profile is the whole machine (all cores) while a rank of a job gets
+`min(its threads, cores / ranks)` of them; `compute_share` scales the profile's compute and
+memory rates by that share. What the check does not model: other processes sharing the cores
+(see benchmarks/README.md); the planner costs one pipeline flush of
 `microbatches x grad_accum` micro-batches where the trainer runs `grad_accum` flushes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +83,29 @@ def cached_profile(cache: Path, kind: str, dtype: str, world: int) -> Accelerato
     return profile
 
 
+def cpu_share(threads_per_rank: int, ranks_here: int, cores: int | None = None) -> float:
+    """Share of a CPU profile (measured with every core) one rank of a job can use."""
+    cores = cores or os.cpu_count() or 1
+    return min(threads_per_rank, cores / ranks_here) / cores
+
+
 def self_check(
     job: JobConfig,
     profile: Accelerator,
     world: int,
     measured_step_s: float | None,
     measured_peak_bytes: float | None,
+    compute_share: float = 1.0,
 ) -> dict[str, Any]:
     """Predicted vs measured step time and peak memory, flat keys for summary.json."""
     from hyperloom.planner.simulate import predict
+
+    if compute_share != 1.0:
+        profile = dataclasses.replace(
+            profile,
+            bf16_tflops=profile.bf16_tflops * compute_share,
+            hbm_gbs=profile.hbm_gbs * compute_share,
+        )
 
     spec = ModelSpec.from_model_config(job.model, job.model.preset)
     strategy = job_strategy(job)
@@ -98,6 +116,7 @@ def self_check(
         return {"plan_error": str(exc)}
     out: dict[str, Any] = {
         "plan_profile": profile.name,
+        "plan_compute_share": compute_share,
         "predicted_step_s": plan.step_time,
         "measured_step_s": measured_step_s,
         "predicted_peak_memory_gb": plan.peak_memory / 1e9,

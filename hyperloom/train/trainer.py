@@ -257,7 +257,7 @@ class Trainer:
         """The planner's prediction for this job beside the measurement (planner.selfcheck)."""
         from hyperloom.data.build import cache_root
         from hyperloom.planner.hardware import load_profile
-        from hyperloom.planner.selfcheck import cached_profile, self_check
+        from hyperloom.planner.selfcheck import cached_profile, cpu_share, self_check
 
         cfg, world = self.cfg, self.mesh.world_size
         choice = cfg.logging.self_check
@@ -267,7 +267,11 @@ class Trainer:
                 profile = cached_profile(root, self.acc.kind, cfg.precision.dtype, world)
             else:
                 profile = load_profile(choice)
-            return self_check(cfg, profile, world, step_s, peak_bytes)
+            share = 1.0
+            if profile.name == "calibrated-cpu":  # all cores measured; a rank gets a share
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                share = cpu_share(torch.get_num_threads(), local)
+            return self_check(cfg, profile, world, step_s, peak_bytes, share)
         except Exception as exc:  # noqa: BLE001 - a failed prediction must not fail the run
             log.warning("planner self-check skipped: %s", exc)
             return {"plan_error": str(exc)}

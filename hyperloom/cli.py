@@ -167,6 +167,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         try:
+        "activated",
+        "+ MTP",
             cfg = preset_config(name)
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
@@ -183,10 +185,19 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         )
         table.add_row(
             name,
-            f"{params:,}",
+        # MoE: "parameters" is the main model (DeepSeek's published total, MTP apart) and
+        # "activated" what one token uses; dense models use all of them.
+        mtp = fam.mtp_param_count(cfg) if fam.mtp_param_count else 0
+        params -= mtp
+        active = fam.active_param_count(cfg) if fam.active_param_count else params
+            f"{params:,} ({_short(params)})",
+            f"{active:,} ({_short(active)})",
+            f"{mtp:,}" if mtp else "-",
             str(cfg.n_layers),
             str(cfg.dim),
             f"{cfg.n_heads}/{cfg.n_kv_heads}",
+                "activated_parameters": active,
+                "mtp_parameters": mtp,
             f"{cfg.ffn_dim:,}",
             f"{cfg.vocab_size:,}",
             f"{flops / 1e9:,.2f}",
@@ -198,7 +209,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         console.print(table)
         console.print(
             "FLOPs: 6 x matmul weights + 12 x layers x seq x dim per token (Megatron/PaLM "
-            "convention, full attention matrix)."
+            "convention, full attention matrix); MoE: the top-k routed experts, MTP included. "
+            "Activated: parameters one token uses, the input embedding lookup excluded."
         )
     return 0
 
@@ -214,6 +226,15 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML job file (default: the built-in tiny job)")
+def _short(n: int) -> str:
+    """A parameter count as usually published: 671B, 37B, 2.4B, 8.0B, 21M."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+    return str(n)
+
+
     p.add_argument("--run-dir", help="directory for this run (= --logging.run_dir)")
     p.set_defaults(accepts_overrides=True)
 

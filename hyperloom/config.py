@@ -60,7 +60,7 @@ class ModelConfig:
     """Architecture of the model. The defaults are the `tiny` preset."""
 
     preset: str = knob("tiny", "preset from the model registry; keys set here override it")
-    family: str = knob("llama", "model family in the registry", choices=["llama"])
+    family: str = knob("llama", "model family in the registry", choices=["llama", "deepseek"])
     vocab_size: int = knob(16384, "vocabulary size (the built-in tokenizer is trained to it)")
     dim: int = knob(384, "model width (hidden size)")
     n_layers: int = knob(6, "number of transformer blocks")
@@ -76,6 +76,38 @@ class ModelConfig:
     max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
     tie_embeddings: bool = knob(False, "share the input embedding with the output head")
     init_std: float = knob(0.02, "std of the normal weight init (output projections scaled)")
+    # Mixture-of-Experts, MLA and MTP (family 'deepseek'; hyperloom.models.deepseek).
+    n_routed_experts: int = knob(0, "MoE routed experts per MoE layer (0 = dense model)")
+    n_shared_experts: int = knob(0, "MoE shared experts (one SwiGLU of n x moe_ffn_dim)")
+    moe_top_k: int = knob(0, "routed experts per token")
+    moe_ffn_dim: int = knob(0, "SwiGLU hidden width of one expert")
+    n_dense_layers: int = knob(0, "the first k layers use the dense ffn_dim SwiGLU, not MoE")
+    moe_score: str = knob(
+        "softmax", "router scores: softmax (V2) or sigmoid (V3)", choices=["softmax", "sigmoid"]
+    )
+    moe_n_groups: int = knob(1, "expert groups for group-limited routing (1 = off)")
+    moe_topk_groups: int = knob(1, "groups a token may route to")
+    moe_norm_topk: bool = knob(True, "renormalise the top-k gate weights to sum to one")
+    moe_route_scale: float = knob(1.0, "routed scaling factor on the gate weights")
+    moe_capacity_factor: float = knob(
+        0.0, "expert capacity factor, tokens over it dropped (0 = dropless)"
+    )
+    moe_bias_rate: float = knob(0.0, "aux-loss-free balancing bias step gamma (0 = off)")
+    moe_seq_aux_alpha: float = knob(0.0, "sequence-wise balance loss weight alpha (0 = off)")
+    moe_aux_alpha: float = knob(0.0, "batch-wise (Switch/GShard) balance loss weight (0 = off)")
+    moe_z_loss: float = knob(0.0, "router z-loss weight (0 = off)")
+    q_lora_rank: int = knob(0, "MLA low-rank query width (0 = plain query projection)")
+    kv_lora_rank: int = knob(0, "MLA compressed key/value width (the cached latent)")
+    qk_nope_head_dim: int = knob(0, "MLA per-head query/key width without RoPE")
+    qk_rope_head_dim: int = knob(0, "MLA decoupled RoPE width (one key shared by all heads)")
+    v_head_dim: int = knob(0, "MLA per-head value width")
+    yarn_beta_fast: float = knob(
+        32.0, "YaRN ramp end (rotations); deepseek uses rope_scaling as YaRN factor"
+    )
+    yarn_beta_slow: float = knob(1.0, "YaRN ramp start (rotations)")
+    yarn_mscale: float = knob(1.0, "YaRN attention-scale coefficient (mscale_all_dim)")
+    mtp_depth: int = knob(0, "multi-token prediction modules D (0 = off)")
+    mtp_loss_weight: float = knob(0.3, "MTP loss weight lambda; each module's loss gets lambda / D")
 
 
 @dataclass(frozen=True)
@@ -645,6 +677,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"parallel.ep ({par.ep}) must divide dp({par.dp}) * cp({par.cp}) = "
                 f"{par.dp * par.cp} (experts fold over data x context parallel)"
             )
+    p.extend(_moe_problems(cfg))
     if cfg.precision.fp8 != "none" and par.tp > 1:
         p.append(
             f"precision.fp8 = '{cfg.precision.fp8}' with parallel.tp = {par.tp}: FP8 under "
@@ -739,6 +772,92 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
         out.append(
             f"precision.fp8 = '{cfg.precision.fp8}' with parallel.pp > 1 is not built yet "
             f"(FP8 scaling state per pipeline stage); use fp8 'none' or pp = 1"
+        )
+    return out
+
+
+def _moe_problems(cfg: JobConfig) -> list[str]:
+    """The MoE / MLA / MTP keys (hyperloom.models.deepseek), arithmetic shown."""
+    m, par = cfg.model, cfg.parallel
+    out: list[str] = []
+    if m.family != "deepseek":
+        used = [k for k in ("n_routed_experts", "kv_lora_rank", "mtp_depth") if getattr(m, k)]
+        if used:
+            out.append(f"model.{used[0]} needs model.family = 'deepseek' (got '{m.family}')")
+        return out
+    for key in ("tp", "pp", "ep"):
+        if getattr(par, key) > 1:
+            out.append(
+                f"parallel.{key} = {getattr(par, key)} with model.family = 'deepseek': "
+                f"{key} for MoE/MLA models is not built yet; use dp (zero 0 or 1)"
+            )
+    if par.zero == 3 and par.dp > 1:
+        out.append(
+            "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "
+            "biases that balancing updates in place; not built yet, use zero 0 or 1"
+        )
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        if getattr(m, key) <= 0:
+            out.append(f"model.{key} must be positive for MLA, got {getattr(m, key)}")
+    if m.qk_rope_head_dim <= 0 or m.qk_rope_head_dim % 2:
+        out.append(
+            f"model.qk_rope_head_dim must be positive and even (RoPE rotates pairs), "
+            f"got {m.qk_rope_head_dim}"
+        )
+    if m.q_lora_rank < 0:
+        out.append(
+            f"model.q_lora_rank must be >= 0 (0 = plain query projection), got {m.q_lora_rank}"
+        )
+    if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
+        out.append(
+            f"model.mtp_depth ({m.mtp_depth}) and model.mtp_loss_weight ({m.mtp_loss_weight}) must be >= 0"
+        )
+    if not 0 <= m.n_dense_layers <= m.n_layers:
+        out.append(
+            f"model.n_dense_layers ({m.n_dense_layers}) must lie in [0, model.n_layers ({m.n_layers})]"
+        )
+    for key in (
+        "moe_bias_rate",
+        "moe_seq_aux_alpha",
+        "moe_aux_alpha",
+        "moe_z_loss",
+        "moe_capacity_factor",
+    ):
+        if getattr(m, key) < 0:
+            out.append(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    E, k = m.n_routed_experts, m.moe_top_k
+    if E < 0 or m.n_shared_experts < 0:
+        out.append(
+            f"model.n_routed_experts ({E}) and model.n_shared_experts ({m.n_shared_experts}) must be >= 0"
+        )
+    if E <= 0:
+        if m.n_dense_layers < m.n_layers and E == 0 and m.n_layers > 0:
+            out.append(
+                f"model.n_routed_experts = 0 but layers {m.n_dense_layers}..{m.n_layers - 1} are MoE "
+                f"(model.n_dense_layers = {m.n_dense_layers}); set experts or n_dense_layers = n_layers"
+            )
+        return out
+    if not 1 <= k <= E:
+        out.append(f"model.moe_top_k ({k}) must lie in [1, model.n_routed_experts ({E})]")
+    if m.moe_ffn_dim <= 0:
+        out.append(f"model.moe_ffn_dim must be positive, got {m.moe_ffn_dim}")
+    G, kg = m.moe_n_groups, m.moe_topk_groups
+    if G < 1 or E % G:
+        out.append(
+            f"model.n_routed_experts ({E}) is not divisible by model.moe_n_groups ({G}): "
+            f"{E} / {G} = {E / G if G else float('nan'):.4g} experts per group"
+        )
+    elif not 1 <= kg <= G:
+        out.append(f"model.moe_topk_groups ({kg}) must lie in [1, model.moe_n_groups ({G})]")
+    elif kg * (E // G) < k:
+        out.append(
+            f"group-limited routing keeps moe_topk_groups({kg}) x {E} / {G} experts per group = "
+            f"{kg * (E // G)} experts < model.moe_top_k ({k})"
+        )
+    elif G > 1 and m.moe_score == "sigmoid" and E // G < 2:
+        out.append(
+            f"sigmoid routing scores a group by its top-2 experts, but {E} / {G} = {E // G} "
+            f"expert per group; use fewer groups"
         )
     return out
 

@@ -80,7 +80,14 @@ def generate(
     gen = torch.Generator().manual_seed(seed)
     total = min(limit, len(prompt) + max_new_tokens)
     tokens = list(prompt)
-    cache = KVCache.allocate(model.cfg, 1, total, acc.device, dtype) if use_cache else None
+    # A family with its own cache layout (DeepSeek's compressed MLA cache) allocates it.
+    allocate = getattr(model, "allocate_cache", None)
+    if not use_cache:
+        cache = None
+    elif allocate is not None:
+        cache = allocate(1, total, acc.device, dtype)
+    else:
+        cache = KVCache.allocate(model.cfg, 1, total, acc.device, dtype)
     pos = 0
     while len(tokens) < total:
         # With a cache, feed only the tokens the cache has not seen yet.

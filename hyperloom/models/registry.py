@@ -36,6 +36,10 @@ class ModelFamily:
     tp_plan: dict[str, str]  # module path pattern -> tensor-parallel style
     # (meta model, layer ids, first, last) -> the model cut down to one pipeline chunk
     pipeline_chunk: Callable[[nn.Module, range, bool, bool], nn.Module]
+    # Mixture-of-Experts / MTP families: parameters one token uses (None = all of them), and
+    # those of the multi-token-prediction modules inside param_count (None = none).
+    active_param_count: Callable[[ModelConfig], int] | None = None
+    mtp_param_count: Callable[[ModelConfig], int] | None = None
 
 
 def _llama() -> ModelFamily:
@@ -52,7 +56,23 @@ def _llama() -> ModelFamily:
     )
 
 
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"llama": _llama}
+def _deepseek() -> ModelFamily:
+    from hyperloom.models import deepseek
+    from hyperloom.models.deepseek.plan import TP_PLAN, pipeline_chunk
+
+    return ModelFamily(
+        "deepseek",
+        deepseek.DeepSeekV3,
+        deepseek.param_count,
+        deepseek.training_flops_per_token,
+        TP_PLAN,
+        pipeline_chunk,
+        active_param_count=deepseek.active_param_count,
+        mtp_param_count=deepseek.mtp_param_count,
+    )
+
+
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"llama": _llama, "deepseek": _deepseek}
 
 
 def family(name: str) -> ModelFamily:

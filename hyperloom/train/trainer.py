@@ -217,6 +217,9 @@ class Trainer:
         if self.guard.healthy(self.step + 1, total, grad_norm):  # else the update is dropped
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        balance = getattr(self.model, "after_optimizer_step", None)
+        if balance is not None:  # MoE: expert loads summed over dp move the routing biases
+            balance(self.mesh.group("dp"))
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return total, grad_norm
@@ -346,6 +349,10 @@ class Trainer:
                         "memory_gb": self.acc.peak_memory_bytes() / 1e9,
                         "elapsed_s": time.perf_counter() - wall_start,
                     }
+                    load = getattr(self.model, "expert_load", None)
+                    if load:  # MoE: max/mean tokens per expert of the last step, per layer
+                        record["expert_load"] = load
+                        record["expert_load_max"] = max(load.values())
                     reporter.train_metrics(record, t.steps, peak)
                 self.guard.after_step()  # rollback or stop, drills, watchdog heartbeat
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:

@@ -1,0 +1,88 @@
+"""Expert load balancing: the auxiliary-loss-free bias, balance losses and the router z-loss.
+
+**Auxiliary-loss-free balancing** (Wang et al., arXiv 2408.15664; DeepSeek-V3, arXiv
+2412.19437 §2.1.2). Each expert i has a bias b_i that is added to its affinity *for selection
+only* (`moe.Router`). After every optimizer step the tokens each expert received during that
+step, c_i, are summed over the data-parallel group (every rank must move its bias identically)
+and
+
+    b_i ← b_i + γ · sign(mean(c) − c_i)
+
+so an overloaded expert becomes a little less attractive and an idle one a little more. No
+gradient flows through b, so balancing does not pull the router's weights away from what the
+language-modelling loss wants — which is the point: an auxiliary loss strong enough to balance
+the load measurably hurts quality (the paper's Table 5). Megatron-LM's
+`get_updated_expert_bias` does the same with counts all-reduced over TP × DP × CP. V3 uses
+γ = 0.001 for the first 14.3T tokens.
+
+**Sequence-wise balance loss** (V3 eq. 17-20), a weak complement (α = 1e-4) that stops any one
+*sequence* from being extremely unbalanced:
+
+    L = α Σ_i f_i P_i,   f_i = E / (k T) · Σ_t 1[i ∈ TopK_t],   P_i = 1/T Σ_t s'_{i,t}
+
+with s' the affinities normalised to sum to one per token and T the tokens of one sequence; the
+loss is averaged over the sequences of the batch. The classic batch-wise loss (Switch, arXiv
+2101.03961; GShard) is the same formula over the whole batch as one sequence.
+
+**Router z-loss** (ST-MoE, arXiv 2202.08906 eq. 5): mean over tokens of logsumexp(logits)²,
+which keeps router logits small so the float32 softmax/sigmoid stays well conditioned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Σ_i f_i P_i averaged over rows: scores (n, T, E) affinities, experts (n, T, k) ids."""
+    n, t, n_experts = scores.shape
+    k = experts.shape[-1]
+    hits = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (n, T, E) one-hot of top-k
+    f = hits.sum(1) * (n_experts / (k * t))  # (n, E); no gradient (counts)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (n, E)
+    return (f * p).sum(-1).mean()
+
+
+def aux_losses(
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    logits: torch.Tensor,
+    seq_alpha: float = 0.0,
+    batch_alpha: float = 0.0,
+    z_weight: float = 0.0,
+) -> torch.Tensor | None:
+    """The weighted sum of the enabled losses (None if none is): scores (b, s, E), experts
+    (b, s, k), logits (b * s, E)."""
+    total = None
+    if seq_alpha > 0:
+        total = seq_alpha * balance_loss(scores, experts)
+    if batch_alpha > 0:
+        term = batch_alpha * balance_loss(scores.flatten(0, 1)[None], experts.flatten(0, 1)[None])
+        total = term if total is None else total + term
+    if z_weight > 0:
+        term = z_weight * torch.logsumexp(logits, dim=-1).square().mean()
+        total = term if total is None else total + term
+    return total
+
+
+@torch.no_grad()
+def update_bias(
+    biases: list[torch.Tensor], counts: list[torch.Tensor], rate: float, group=None
+) -> torch.Tensor:
+    """Reduce the step's per-expert token counts over `group` (all layers in one all-reduce),
+    move each layer's bias by ±rate towards balance, and return the reduced counts
+    (layers, E)."""
+    loads = torch.stack([c.float() for c in counts])  # (layers, E)
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    if rate > 0:
+        step = torch.sign(loads.mean(-1, keepdim=True) - loads) * rate  # (layers, E)
+        for bias, delta in zip(biases, step, strict=True):
+            bias.add_(delta.to(bias.dtype))
+    return loads
+
+
+def load_imbalance(loads: torch.Tensor) -> torch.Tensor:
+    """max / mean tokens per expert, per layer, from loads (layers, E); 1.0 is perfect."""
+    return loads.amax(-1) / loads.mean(-1).clamp(min=1e-9)

@@ -1,0 +1,209 @@
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 §2.1) with YaRN, and its cache.
+
+**Projections.** Queries come from a low-rank path x → wq_a → RMSNorm → wq_b (or one plain wq
+when `q_lora_rank` is 0), split per head into q_nope (`qk_nope_head_dim`) and q_pe
+(`qk_rope_head_dim`). Keys and values come from one compressed latent: wkv_a maps x to
+c_kv (`kv_lora_rank`, RMS-normalised) and k_pe, a single RoPE key *shared by every head*
+(decoupled RoPE: position lives only in the q_pe·k_pe term, so the rest can be absorbed,
+below); wkv_b expands c_kv into k_nope and v per head. Names follow DeepSeek's
+`inference/model.py`.
+
+**Training path.** Materialise k = [k_nope ‖ k_pe] and v per head and run causal SDPA.
+
+**Absorbed decode path** (V2 §2.1.2, "absorb W_UK into W_Q and W_UV into W_O"). The cache holds
+only [c_kv ‖ k_pe], kv_lora_rank + rope_dim values per token (576 for V3 instead of 128 × 2 ×
+128 for MHA, ~71× less). With W_UK, W_UV the k_nope and v slices of wkv_b per head,
+
+    q_nope · k_nope = q_nope · (W_UK c_kv) = (q_nope W_UK) · c_kv
+    Σ_t p_t v_t      = W_UV (Σ_t p_t c_kv,t)
+
+so attention runs in the latent space — scores = (q̃ · c_kv + q_pe · k_pe) · scale with
+q̃ = q_nope W_UK, out = (softmax · c_kv) W_UVᵀ — and keys/values are never expanded. It is the
+same function as the training path up to rounding; the test holds the two together.
+
+**YaRN** (Peng et al., arXiv 2309.00071; DeepSeek-V3 `precompute_freqs_cis`). With factor
+s = `rope_scaling`, each rotary frequency f_i is blended between itself (high frequencies,
+extrapolated) and f_i / s (low frequencies, interpolated) by a linear ramp over the dimensions
+whose wavelength counts between `yarn_beta_fast` and `yarn_beta_slow` rotations within the
+original context: d(r) = D ln(L_orig / (2π r)) / (2 ln θ), ramp from ⌊d(β_fast)⌋ to ⌈d(β_slow)⌉.
+Stretched positions flatten the softmax, so the attention scale gets the correction
+mscale² with mscale = 0.1 · `yarn_mscale` · ln s + 1 (V3: 192^-½ · 1.3689² = 0.13523).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hyperloom.config import ModelConfig
+from hyperloom.engine import ops
+from hyperloom.engine.ops import OpImpls
+from hyperloom.models.llama.model import RMSNorm
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (rope_dim // 2,), float64, YaRN-blended when rope_scaling > 1."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    factor = cfg.rope_scaling
+    if factor <= 1:
+        return inv
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(cfg.rope_original_max_seq / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
+
+    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv * (1 - ramp) + inv / factor * ramp
+
+
+def yarn_correction(cfg: ModelConfig) -> float:
+    """mscale² when YaRN stretches the context (rope_scaling > 1), else 1."""
+    if cfg.rope_scaling <= 1:
+        return 1.0
+    mscale = 0.1 * cfg.yarn_mscale * math.log(cfg.rope_scaling) + 1.0
+    return mscale * mscale
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """(nope + rope)^-½ · mscale²."""
+    return (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_correction(cfg)
+
+
+@dataclass
+class MLACache:
+    """Compressed cache for absorbed decoding: per layer c_kv (batch, max_len, kv_lora_rank)
+    and the shared, already-rotated k_pe (batch, max_len, rope_dim); [0, length) filled."""
+
+    kv: list[torch.Tensor]
+    pe: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        n_layers: int,
+        batch: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> MLACache:
+        def zeros(width: int) -> list[torch.Tensor]:
+            return [
+                torch.zeros(batch, max_len, width, device=device, dtype=dtype)
+                for _ in range(n_layers)
+            ]
+
+        return cls(kv=zeros(cfg.kv_lora_rank), pe=zeros(cfg.qk_rope_head_dim))
+
+    @property
+    def max_len(self) -> int:
+        return self.kv[0].shape[1]
+
+    def update(
+        self, layer: int, start: int, kv: torch.Tensor, pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write positions [start, start + seq) and return everything cached so far."""
+        end = start + kv.shape[1]
+        self.kv[layer][:, start:end] = kv
+        self.pe[layer][:, start:end] = pe
+        return self.kv[layer][:, :end], self.pe[layer][:, :end]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.nope, self.rope_dim, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        self.kv_rank = cfg.kv_lora_rank
+        q_out = cfg.n_heads * (self.nope + self.rope_dim)
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, q_out, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        self.scale = softmax_scale(cfg)
+        self.q_scale = yarn_correction(cfg)  # folded into q on the SDPA path
+        self.ops = OpImpls()
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "wq"):
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        return q.unflatten(-1, (self.n_heads, -1))  # (b, s, heads, nope + rope)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: MLACache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        cos, sin = cos[:s], sin[:s]  # (s, rope_dim); tables start at start_pos
+        q = ops.rope(self._queries(x), cos, sin, self.ops.rope)  # rotates the trailing q_pe
+        c_kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_norm(c_kv)  # (b, s, kv_rank)
+        k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
+        if cache is not None:
+            return self._absorbed(q, c_kv, k_pe[:, :, 0], cache, start_pos)
+        kv = self.wkv_b(c_kv).unflatten(-1, (self.n_heads, -1))  # (b, s, heads, nope + v)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        # SDPA wants (b, heads, s, d); its default scale is (nope + rope)^-½, so the YaRN
+        # correction is folded into the queries.
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        out = ops.attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, self.ops.attention
+        )
+        return self.wo(out.transpose(1, 2).flatten(2))  # (b, s, heads * v)
+
+    def _absorbed(
+        self,
+        q: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: MLACache,
+        start_pos: int,
+    ) -> torch.Tensor:
+        """Attention in the latent space over the compressed cache (see the module doc)."""
+        s = q.shape[1]
+        c_kv, k_pe = cache.update(self.layer_id, start_pos, c_kv, k_pe)  # (b, t, rank), (b, t, r)
+        w = self.wkv_b.weight.unflatten(0, (self.n_heads, -1))  # (heads, nope + v, rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q.dtype))  # (b, s, heads, rank)
+        scores = torch.einsum("bshc,btc->bsht", q_lat, c_kv.to(q.dtype))
+        scores = scores + torch.einsum("bshr,btr->bsht", q_pe, k_pe.to(q.dtype))
+        scores = scores.float() * self.scale  # (b, s, heads, t)
+        t = c_kv.shape[1]
+        q_pos = torch.arange(start_pos, start_pos + s, device=q.device)
+        visible = q_pos[:, None] >= torch.arange(t, device=q.device)[None, :]  # (s, t)
+        scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+        p = scores.softmax(-1).to(q.dtype)
+        o_lat = torch.einsum("bsht,btc->bshc", p, c_kv.to(q.dtype))  # (b, s, heads, rank)
+        out = torch.einsum("bshc,hdc->bshd", o_lat, w_uv.to(q.dtype))  # (b, s, heads, v)
+        return self.wo(out.flatten(2))  # (b, s, heads * v) -> (b, s, dim)

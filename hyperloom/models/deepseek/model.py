@@ -1,0 +1,234 @@
+"""DeepSeek-V3-family decoder (V2, V2-Lite, V3), single-device code only.
+
+Pre-norm blocks x + MLA(RMSNorm(x)), then x + FFN(RMSNorm(x)), where FFN is a dense SwiGLU for
+the first `n_dense_layers` layers and the Mixture-of-Experts layer (`moe.MoE`) after them
+(DeepSeek-V3, arXiv 2412.19437 §2.1). Attention is Multi-head Latent Attention (`mla.MLA`).
+
+**Multi-token prediction** (V3 §2.2). D sequential modules; module k combines the previous
+depth's hidden state at position i with the embedding of token t_{i+k},
+
+    h′ᵏ_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(hᵏ⁻¹_i)]),   hᵏ = Blockₖ(h′ᵏ)
+
+(the order of the concatenation is that of the released checkpoint and Megatron/vLLM, the
+reverse of the paper's equation), and predicts t_{i+k+1} through its own final norm and the
+*shared* output head; the embedding is shared too. Depth k is trained on the S − k positions
+that have both an input token and a target, and the model's training loss is
+
+    L = L_main + (λ / D) Σ_k Lᵏ + Σ_layers L_aux
+
+Only in training: evaluation and generation use the main model alone (MTP modules can serve
+speculative decoding; not built yet).
+
+**Balancing hook.** `after_optimizer_step(group)` is what the trainer calls after each
+optimizer step: it all-reduces the step's expert loads over `group`, moves the selection
+biases (`balance.update_bias`) and keeps the per-layer max/mean load for the metrics
+(`expert_load`).
+
+Init, meta-device construction, operator selection and layer naming (a ModuleDict keyed by the
+global layer index) follow `hyperloom.models.llama.model`; each parameter draws from
+`param_generator(seed, name)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperloom.config import ModelConfig
+from hyperloom.engine import ops
+from hyperloom.engine.ops import OpImpls
+from hyperloom.models.deepseek import balance
+from hyperloom.models.deepseek.mla import MLA, MLACache, yarn_inv_freq
+from hyperloom.models.deepseek.moe import MoE
+from hyperloom.models.llama.model import FeedForward, Llama, RMSNorm, param_generator
+
+# Output projections into the residual stream: their init std is scaled by 1/sqrt(2 L).
+_OUT_PROJ = ("wo.weight", "w2.weight", "w2", "eh_proj.weight")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = MLA(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if layer_id < cfg.n_dense_layers or not cfg.n_routed_experts:
+            self.feed_forward: nn.Module = FeedForward(cfg.dim, cfg.ffn_dim)
+        else:
+            self.feed_forward = MoE(cfg)
+
+    def forward(self, x, cos, sin, cache=None, start_pos=0):
+        a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        h, x = self.ffn_norm(a, residual=x)  # x <- x + a, h = norm(x), in one pass
+        return x + self.feed_forward(h)
+
+
+class MTPModule(Block):
+    """One multi-token-prediction depth: a full block plus the input merge and its own norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def merge(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # (b, s, dim)
+
+
+class DeepSeekV3(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab); given labels, the training loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # MTP blocks continue the layer numbering (the checkpoint's `layers.61` for V3).
+        self.mtp = nn.ModuleDict(
+            {str(k): MTPModule(cfg, cfg.n_layers + k) for k in range(cfg.mtp_depth)}
+        )
+        cos, sin = self._rope_tables(torch.device("meta"))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.ops = OpImpls()
+        self.expert_load: dict[str, float] = {}  # layer -> max/mean load of the last step
+
+    use_ops = Llama.use_ops  # select the operator implementations of every module
+    materialize = Llama.materialize  # to_empty on `device`, then init_weights(seed)
+
+    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        if device.type == "meta":
+            empty = torch.empty(c.max_seq_len, c.qk_rope_head_dim, device=device)
+            return empty, empty.clone()
+        cos, sin = ops.rope_tables(yarn_inv_freq(c), c.max_seq_len)
+        return cos.to(device), sin.to(device)
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """Name -> MoE layer, main layers then MTP blocks."""
+        return {
+            n.removesuffix(".feed_forward"): m
+            for n, m in self.named_modules()
+            if isinstance(m, MoE)
+        }
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std), output projections init_std / sqrt(2 L), norms one, biases 0;
+        each parameter from its own (seed, name) generator, drawn on CPU (see Llama)."""
+        c = self.cfg
+        out_std = c.init_std / math.sqrt(2 * (c.n_layers + c.mtp_depth))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("expert_bias"):
+                p.zero_()
+            else:
+                std = out_std if name.endswith(_OUT_PROJ) else c.init_std
+                gen = param_generator(seed, name)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+
+    def allocate_cache(
+        self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> MLACache:
+        """The compressed MLA cache for `generate` (main layers only)."""
+        return MLACache.allocate(self.cfg, self.cfg.n_layers, batch, max_len, device, dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: MLACache | None = None,
+        start_pos: int = 0,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (b, s, vocab); given labels (b, s), the mean loss (float32), in training
+        plus the MTP and auxiliary balance losses."""
+        if tokens.is_floating_point():
+            h = tokens  # (b, s, dim): the hidden state of a previous pipeline stage
+        else:
+            seq = tokens.shape[1]
+            if start_pos + seq > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
+                    f"({self.cfg.max_seq_len})"
+                )
+            h = self.tok_embeddings(tokens)  # (b, s, dim)
+        if self.training:  # only this forward's auxiliary losses may reach the loss
+            for m in self.moe_layers().values():
+                m.aux_loss = None
+        cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (max - start, rope)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, cache, start_pos)
+        if self.norm is None:
+            return h
+        if labels is None:
+            return self._head(self.norm(h))
+        loss = self.loss(self.norm(h), labels)
+        if self.training:
+            if self.mtp:
+                loss = loss + self._mtp_loss(h, tokens, labels, cos, sin)
+            aux = [m.aux_loss for m in self.moe_layers().values() if m.aux_loss is not None]
+            if aux:
+                loss = loss + torch.stack(aux).sum()
+        return loss
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)  # (b, s, vocab)
+        return self.output(h)
+
+    def _mtp_loss(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """(λ / D) Σ_k Lᵏ over the D modules (see the module doc)."""
+        seq, depth = tokens.shape[1], len(self.mtp)
+        losses = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            n = seq - k  # positions i with an input token t_{i+k} and a target t_{i+k+1}
+            if n <= 0:
+                break
+            emb = self.tok_embeddings(tokens[:, k:])  # (b, n, dim): t_{i+k}
+            h = module(module.merge(emb, h[:, :n]), cos, sin)  # (b, n, dim)
+            losses.append(self.loss(module.norm(h), labels[:, k:]))  # targets t_{i+k+1}
+        if not losses:
+            return torch.zeros((), device=h.device)
+        return self.cfg.mtp_loss_weight / depth * torch.stack(losses).sum()
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the (shared) head on normed hidden states."""
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return ops.linear_cross_entropy(
+            h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
+        )
+
+    @torch.no_grad()
+    def after_optimizer_step(self, group=None) -> dict[str, float]:
+        """Balance after an optimizer step: loads summed over `group` (data parallel), biases
+        moved by ±moe_bias_rate, per-layer max/mean load kept in `expert_load` and returned."""
+        layers = {n: m for n, m in self.moe_layers().items() if m.counts is not None}
+        if not layers:
+            return {}
+        loads = balance.update_bias(
+            [m.router.expert_bias for m in layers.values()],
+            [m.counts for m in layers.values()],
+            self.cfg.moe_bias_rate,
+            group,
+        )
+        for m in layers.values():
+            m.counts = None
+        ratio = balance.load_imbalance(loads).tolist()
+        self.expert_load = dict(zip(layers, ratio, strict=True))
+        return self.expert_load

@@ -33,7 +33,14 @@ from plain_llama import PlainLlama  # benchmarks/ is on sys.path (scripts run fr
 from torch import nn
 
 from hyperloom.accelerator import DTYPES, Accelerator
-from hyperloom.config import DataConfig, JobConfig, ModelConfig, PrecisionConfig, TrainConfig
+from hyperloom.config import (
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    OpsConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
 from hyperloom.train.optim import lr_at
 
 CONTENDERS = ("hyperloom", "plain", "hf")
@@ -53,6 +60,7 @@ class Spec:
     threads: int
     device: str
     seed: int = 1234
+    ops: OpsConfig = OpsConfig()  # hyperloom's operators (fused by default)
 
     @property
     def tokens_per_step(self) -> int:
@@ -71,6 +79,7 @@ class Spec:
                 eval_batches=1,
             ),
             data=DataConfig(seq_len=self.seq_len),
+            ops=self.ops,
         )
 
 

@@ -18,6 +18,7 @@ import torch
 from hyperloom.accelerator import DTYPES, Accelerator, get_accelerator
 from hyperloom.config import JobConfig, config_from_dict, read_toml
 from hyperloom.data import Tokenizer
+from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.models.llama import KVCache
 from hyperloom.models.registry import build_model
 from hyperloom.train import checkpoint as ckpt
@@ -125,6 +126,9 @@ def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedM
     cfg = config_from_dict(raw, world_size=world)
     acc = get_accelerator(device)
     model = build_model(cfg.model).materialize(acc.device, seed=0)
+    # Decoding calls the model with a new shape per step (prompt, then one token): compiling
+    # the fused kernels for each would cost more than they save, so they run eagerly here.
+    use_ops(model, OpImpls.choose(compile=False))
     try:
         model.load_state_dict(ckpt.load_model_state(ckpt_dir))
     except RuntimeError as exc:

@@ -28,7 +28,7 @@ from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
 from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
-from hyperloom.engine.ops import OpImpls
+from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
 from hyperloom.parallel.state import (
@@ -78,7 +78,7 @@ class Trainer:
             self.pm = parallelize(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
         o = cfg.ops  # which operator implementations the model calls (engine.ops)
-        self.model.use_ops(OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens))
+        use_ops(self.model, OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens))
         self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
         self.optimizer = self.pm.make_optimizer(t)
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a

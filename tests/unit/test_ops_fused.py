@@ -8,6 +8,8 @@ non-contiguous views (transposed, strided slices), as the model produces them.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -173,3 +175,15 @@ def test_adamw_variants_agree(impl):
 
     for a, b in zip(run(impl), run("for-loop"), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_compiled_source_matches_its_eager_route(dtype):
+    """SwiGLU's kernels compile float32 math but run native-dtype ops when eager; the two
+    routes agree (the float32 one is evaluated here without compiling)."""
+    sw = importlib.import_module("hyperloom.engine.ops.swiglu")
+    g = torch.Generator().manual_seed(5)
+    a, b, dy = (torch.randn(7, 45, generator=g).to(dtype) for _ in range(3))
+    torch.testing.assert_close(sw._fwd.fn(a, b), sw._fwd.eager(a, b), **TOL[dtype])
+    for x, y in zip(sw._bwd.fn(dy, a, b), sw._bwd.eager(dy, a, b), strict=True):
+        torch.testing.assert_close(x, y, **TOL[dtype])

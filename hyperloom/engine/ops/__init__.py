@@ -14,7 +14,7 @@ from hyperloom.engine.ops.cross_entropy import (
 )
 from hyperloom.engine.ops.rmsnorm import rms_norm, rms_norm_reference
 from hyperloom.engine.ops.rope import apply_rope, rope, rope_inv_freq, rope_tables
-from hyperloom.engine.ops.select import OPS, OpImpls
+from hyperloom.engine.ops.select import OPS, OpImpls, use_ops
 from hyperloom.engine.ops.swiglu import swiglu, swiglu_reference
 
 __all__ = [
@@ -35,4 +35,5 @@ __all__ = [
     "sdpa_backends",
     "swiglu",
     "swiglu_reference",
+    "use_ops",
 ]

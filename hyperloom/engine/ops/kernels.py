@@ -43,10 +43,16 @@ def check_impl(impl: str) -> None:
 
 
 class Kernel:
-    """A pure tensor function, compiled on first use when allowed, eager otherwise."""
+    """A pure tensor function, compiled on first use when allowed, eager otherwise.
 
-    def __init__(self, fn: Callable[..., Any]):
-        self.eager = fn
+    `eager`, if given, is what runs uncompiled instead of `fn` itself: the same result by a
+    route that is cheap without fusion (e.g. native-dtype ops where `fn` upcasts to float32,
+    which Inductor fuses for free but eager PyTorch pays for in whole extra passes).
+    """
+
+    def __init__(self, fn: Callable[..., Any], eager: Callable[..., Any] | None = None):
+        self.fn = fn
+        self.eager = eager or fn
         self.name = fn.__name__
         self._compiled: Callable[..., Any] | None = None
         self._failed = False
@@ -55,7 +61,7 @@ class Kernel:
         if not compile or self._failed or not compile_allowed() or torch.compiler.is_compiling():
             return self.eager(*args)
         if self._compiled is None:
-            self._compiled = torch.compile(self.eager)
+            self._compiled = torch.compile(self.fn)
         try:
             return self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means "use eager"
@@ -69,6 +75,9 @@ class Kernel:
             return self.eager(*args)
 
 
-def kernel(fn: Callable[..., Any]) -> Kernel:
-    """Decorator: `@kernel def _fwd(...)` makes `_fwd(*args, compile=...)`."""
-    return Kernel(fn)
+def kernel(fn: Callable[..., Any] | None = None, *, eager: Callable[..., Any] | None = None) -> Any:
+    """Decorator: `@kernel def _fwd(...)` makes `_fwd(*args, compile=...)`;
+    `@kernel(eager=other)` runs `other` when not compiled."""
+    if fn is None:
+        return lambda f: Kernel(f, eager)
+    return Kernel(fn, eager)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from torch import nn
+
 OPS = ("rmsnorm", "swiglu", "rope", "cross_entropy", "attention")
 
 
@@ -42,3 +44,12 @@ class OpImpls:
         fast = "fused" if compile else "fused_eager"
         impl = {op: fast if fused and op not in reference else "reference" for op in OPS}
         return cls(**impl, ce_chunk_tokens=ce_chunk_tokens)
+
+
+def use_ops(model: nn.Module, impls: OpImpls) -> nn.Module:
+    """Give every module of `model` that calls engine ops (it has an `ops` attribute) this
+    choice; works for any model family."""
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = impls
+    return model

@@ -186,10 +186,7 @@ class Llama(nn.Module):
 
     def use_ops(self, impls: OpImpls) -> Llama:
         """Select the operator implementations for every module of the model."""
-        for m in self.modules():
-            if hasattr(m, "ops"):
-                m.ops = impls
-        return self
+        return ops.use_ops(self, impls)
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

@@ -28,17 +28,27 @@ def test_model_info_table_lists_every_preset(cli):
     result = cli("model", "info")
     assert result.returncode == 0, result.stderr
     rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│")}
-    assert set(rows) == {"tiny", "llama3-8b", "llama3-70b", "llama3-405b"}
+    assert set(rows) == {
+        "tiny",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "deepseek-v3",
+        "deepseek-v2-lite",
+        "moe-tiny",
+    }
     assert "8,030,261,248" in rows["llama3-8b"]
     assert "70,553,706,496" in rows["llama3-70b"]
     assert "405,853,388,800" in rows["llama3-405b"]
+    # DeepSeek-V3 as published: 671B total, 37B activated per token (MTP counted apart)
+    assert "(671B)" in rows["deepseek-v3"] and "(37B)" in rows["deepseek-v3"]
 
 
 def test_model_info_unknown_preset_and_stray_override(cli):
     result = cli("model", "info", "gpt5")
     assert result.returncode == 2
     assert "hyperloom model: error: invalid configuration" in result.stderr
-    assert "unknown preset 'gpt5'; known presets: tiny, llama3-8b" in result.stderr
+    assert "unknown preset 'gpt5'; known presets: tiny, deepseek-v3" in result.stderr
     assert "Traceback" not in result.stderr
     stray = cli("model", "info", "--train.steps", "3")  # overrides belong to train/config
     assert stray.returncode == 2

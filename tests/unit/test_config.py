@@ -141,8 +141,8 @@ BAD: dict[str, tuple[str | None, list[str], str]] = {
     "unknown_preset": (
         None,
         ["--model.preset", "llama9"],
-        "model.preset: unknown preset 'llama9'; known presets: tiny, llama3-8b, llama3-70b, "
-        "llama3-405b",
+        "model.preset: unknown preset 'llama9'; known presets: tiny, deepseek-v3, "
+        "deepseek-v2-lite, moe-tiny, llama3-8b, llama3-70b, llama3-405b",
     ),
     "text_source_without_paths": (
         None,

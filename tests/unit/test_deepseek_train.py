@@ -79,7 +79,7 @@ def test_bias_update_moves_by_sign_and_load_stats():
 
 
 def test_balance_loss_is_one_when_uniform_and_losses_add_up():
-    e, k, t = 4, 2, 8
+    e, t = 4, 8  # 4 experts, top-2, 8 tokens
     scores = torch.full((1, t, e), 0.5)
     experts = torch.tensor([[0, 1], [2, 3]]).repeat(t // 2, 1)[None]  # each expert 1/4 of hits
     assert balance.balance_loss(scores, experts).item() == pytest.approx(1.0)

@@ -22,6 +22,8 @@ from hyperloom.accelerator import AcceleratorError
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
 from hyperloom.pipeline.cli import add_schedule_parser
 from hyperloom.planner.cli import add_plan_parser
+from hyperloom.resilience.drill import add_drill_parser
+from hyperloom.resilience.watchdog import GAVE_UP_EXIT, RestartLoopError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
 
@@ -31,9 +33,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hyperloom.data import DataError
     from hyperloom.pipeline import ScheduleError
     from hyperloom.planner import PlanError
+    from hyperloom.resilience.policy import TrainingHalted
     from hyperloom.train.checkpoint import CheckpointError
 
-    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError, PlanError)
+    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError, PlanError, TrainingHalted)
 
 
 def _rank() -> int:
@@ -68,11 +71,20 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 
     The config is validated here first, against world size N, so a bad layout is reported
     once instead of by N processes.
+
+    `--max-restarts R`: a failed group (a rank crashed, or its watchdog ended a hang) is
+    started again, up to R times, and resumes from the newest committed checkpoint. Each
+    restart is a fresh torchrun launch rather than torchrun's own `--max-restarts`: its
+    in-agent restart reuses the rendezvous store, and on torch 2.13 (CPU, gloo) the restarted
+    group sometimes read the dead ranks' stale addresses and failed or hung in
+    connectFullMesh. HYPERLOOM_RESTART_COUNT tells the workers which attempt they are.
     """
     import subprocess
 
+    from hyperloom.resilience.watchdog import gave_up_reason
+
     config, overrides = _split_config_args(args)
-    load_config(config, overrides, world_size=args.nproc)
+    cfg = load_config(config, overrides, world_size=args.nproc)
     cmd = [
         sys.executable,
         "-m",
@@ -84,12 +96,28 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
         "train",
     ]
     cmd += ([config] if config else []) + overrides
-    logging.getLogger("hyperloom").info("launching: %s", " ".join(cmd[2:]))
-    return subprocess.call(cmd)
+    logger = logging.getLogger("hyperloom")
+    logger.info("launching: %s", " ".join(cmd[2:]))
+    for attempt in range(args.max_restarts + 1):
+        env = {**os.environ, "HYPERLOOM_RESTART_COUNT": str(attempt)}
+        rc = subprocess.call(cmd, env=env)
+        reason = gave_up_reason(cfg.logging.run_dir) if args.max_restarts else None
+        if reason:  # the restart guard saw no progress: restarting again would not help
+            print(f"hyperloom train: gave up: {reason}", file=sys.stderr)
+            return GAVE_UP_EXIT
+        if rc == 0 or attempt == args.max_restarts:
+            return rc
+        logger.warning(
+            "the process group failed (exit status %d); restart %d of %d",
+            rc,
+            attempt + 1,
+            args.max_restarts,
+        )
+    return rc
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc > 1:
+    if args.nproc > 1 or args.max_restarts > 0:
         return _launch_torchrun(args)
     from hyperloom.inference import LoadedModel, complete
     from hyperloom.train.report import summary_table, write_summary
@@ -156,6 +184,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     for col in (
         "preset",
         "parameters",
+        "activated",
+        "+ MTP",
         "layers",
         "dim",
         "heads/kv",
@@ -167,17 +197,22 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         try:
-        "activated",
-        "+ MTP",
             cfg = preset_config(name)
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
         fam = family(cfg.family)
         params, flops = fam.param_count(cfg), fam.training_flops_per_token(cfg, args.seq)
+        # MoE: "parameters" is the main model (DeepSeek's published total, MTP apart) and
+        # "activated" what one token uses; dense models use all of them.
+        mtp = fam.mtp_param_count(cfg) if fam.mtp_param_count else 0
+        params -= mtp
+        active = fam.active_param_count(cfg) if fam.active_param_count else params
         rows.append(
             {
                 "preset": name,
                 "parameters": params,
+                "activated_parameters": active,
+                "mtp_parameters": mtp,
                 "flops_per_token": flops,
                 "seq_len": args.seq,
                 **dataclasses.asdict(cfg),
@@ -185,19 +220,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         )
         table.add_row(
             name,
-        # MoE: "parameters" is the main model (DeepSeek's published total, MTP apart) and
-        # "activated" what one token uses; dense models use all of them.
-        mtp = fam.mtp_param_count(cfg) if fam.mtp_param_count else 0
-        params -= mtp
-        active = fam.active_param_count(cfg) if fam.active_param_count else params
             f"{params:,} ({_short(params)})",
             f"{active:,} ({_short(active)})",
             f"{mtp:,}" if mtp else "-",
             str(cfg.n_layers),
             str(cfg.dim),
             f"{cfg.n_heads}/{cfg.n_kv_heads}",
-                "activated_parameters": active,
-                "mtp_parameters": mtp,
             f"{cfg.ffn_dim:,}",
             f"{cfg.vocab_size:,}",
             f"{flops / 1e9:,.2f}",
@@ -215,6 +243,15 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _short(n: int) -> str:
+    """A parameter count as usually published: 671B, 37B, 2.4B, 8.0B, 21M."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+    return str(n)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(*_split_config_args(args), world_size=args.nproc)
     print(dumps_toml(cfg), end="")
@@ -226,15 +263,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML job file (default: the built-in tiny job)")
-def _short(n: int) -> str:
-    """A parameter count as usually published: 671B, 37B, 2.4B, 8.0B, 21M."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
-    return str(n)
-
-
     p.add_argument("--run-dir", help="directory for this run (= --logging.run_dir)")
     p.set_defaults(accepts_overrides=True)
 
@@ -252,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument(
         "--nproc", type=int, default=1, help="start N processes on this machine via torchrun"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts of the process group after a failure or a watchdog exit; "
+        "each resumes from the newest committed checkpoint",
     )
     p.set_defaults(func=cmd_train)
 
@@ -277,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_schedule_parser(sub)
     add_plan_parser(sub)
+    add_drill_parser(sub)
 
     p = sub.add_parser("config", help="configuration")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
@@ -322,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_overrides(args.overrides)  # syntax errors surface before any work
         rc = args.func(args)
+    except RestartLoopError as exc:
+        # Leave successfully under torchrun, or it would restart again; `train` reports it.
+        print(f"hyperloom {args.command} (rank {_rank()}): gave up: {exc}", file=sys.stderr)
+        rc = 0 if "TORCHELASTIC_RESTART_COUNT" in os.environ else GAVE_UP_EXIT
     except _user_errors() as exc:
         where = f" (rank {_rank()})" if "RANK" in os.environ else ""
         print(f"hyperloom {args.command}{where}: error: {exc}", file=sys.stderr)

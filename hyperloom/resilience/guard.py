@@ -30,17 +30,18 @@ from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import EventLog
 from hyperloom.resilience.inject import FaultInjector, die
 from hyperloom.resilience.policy import RecoveryPolicy, TrainingHalted
-from hyperloom.resilience.watchdog import Watchdog, record_start
+from hyperloom.resilience.watchdog import (
+    RestartLoopError,
+    Watchdog,
+    record_start,
+    restart_count,
+)
 from hyperloom.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from hyperloom.train.trainer import Trainer
 
 log = logging.getLogger("hyperloom.resilience")
-
-
-class RestartLoopError(RuntimeError):
-    """The restart guard saw too many restarts without progress (the message says why)."""
 
 
 class Guard:
@@ -123,8 +124,8 @@ class Guard:
                 raise TrainingHalted(report)
             assert target is not None
             self._rollback(anomaly, target)
-        self.inject.after_step(t.step)
         self.watchdog.heartbeat(t.step)
+        self.inject.after_step(t.step)
 
     def _rollback(self, anomaly: Anomaly, target: int) -> None:
         t = self.trainer
@@ -219,6 +220,15 @@ class Guard:
         reason = None
         if self.main:
             reason = record_start(self.run_dir, step, self.cfg.max_stalled_restarts)["gave_up"]
+        if restart_count() > 0:
+            where = self.trainer.resumed_from
+            self.events.emit(
+                "restart",
+                f"restart {restart_count()}: resumed from "
+                f"{where.name if where else 'scratch'} at step {step}",
+                step=step,
+                restart=restart_count(),
+            )
         if self.world > 1:
             box = [reason]
             dist.broadcast_object_list(box, src=0)

@@ -24,8 +24,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # config validation parses specs: keep this module free of torch
+    import torch
 
 log = logging.getLogger("hyperloom.resilience")
 

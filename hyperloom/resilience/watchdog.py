@@ -4,9 +4,9 @@
 wedged, a deadlock) blocks the whole job without failing it, and torchrun only restarts a
 group when a process *exits*. So a daemon thread watches the time since the last completed
 step; after `timeout_s` it writes every thread's Python stack (faulthandler) to
-`RUN_DIR/hang_rank{R}.txt`, logs where to find it, and leaves with `HANG_EXIT`. torchrun
-(`hyperloom train --nproc N --max-restarts R`) then restarts the group, which resumes from
-the newest committed checkpoint. This is NVRx's in-job restart (`ft_launcher`) reduced to
+`RUN_DIR/hang_rank{R}.txt`, logs where to find it, and leaves with `HANG_EXIT`; torchrun
+then stops the group and `hyperloom train --nproc N --max-restarts R` (or torchrun's own
+`--max-restarts`) starts it again, resuming from the newest committed checkpoint. This is NVRx's in-job restart (`ft_launcher`) reduced to
 one host and a fixed timeout: NVRx learns its timeouts and multiplies by a safety factor of
 5, and its in-process restart keeps soft < hard < barrier timeouts (REFERENCE §5.4). The
 timeout must exceed the slowest legitimate gap between steps (first-step compilation,
@@ -16,9 +16,9 @@ validation, a synchronous save); `heartbeat()` is called around those phases as 
 corrupted state that still verifies) would make torchrun burn all its restarts. Each start
 of a restarted group records the step it resumed from in `RUN_DIR/restarts.json`; when
 `limit` restarts in a row resumed from the same step, the guard gives up (NVRx stops after 3
-restarts without progress). Giving up must stop torchrun too, which restarts on any failure,
-so every rank leaves *successfully* and the file says why; `hyperloom train` reads it and
-exits with `GAVE_UP_EXIT` and the reason.
+restarts without progress). Giving up must also stop torchrun's own restarts (it restarts
+on any failure), so every rank leaves *successfully* and the file says why; `hyperloom
+train` reads it and exits with `GAVE_UP_EXIT` and the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ log = logging.getLogger("hyperloom.resilience")
 HANG_EXIT = 44  # a rank's exit status when the watchdog ended it
 GAVE_UP_EXIT = 3  # `hyperloom train`'s exit status when the restart guard gave up
 RESTARTS_FILE = "restarts.json"
+
+
+class RestartLoopError(RuntimeError):
+    """The restart guard saw too many restarts without progress (the message says why)."""
 
 
 class Watchdog:
@@ -89,7 +93,7 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         log.error(
             "watchdog: no progress for %.1f s after step %s on rank %d; stacks in %s; exiting "
-            "with status %d so that torchrun restarts the group",
+            "with status %d so that the group is restarted",
             idle,
             self._step,
             self.rank,
@@ -107,8 +111,10 @@ class Watchdog:
 
 
 def restart_count() -> int:
-    """How many times torchrun has restarted this worker group (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How many times this worker group was restarted: by `hyperloom train --max-restarts`
+    (HYPERLOOM_RESTART_COUNT) and/or by torchrun's own restarts; 0 on a first launch."""
+    ours = int(os.environ.get("HYPERLOOM_RESTART_COUNT", "0"))
+    return ours + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def record_start(run_dir: Path, resumed_step: int, limit: int) -> dict[str, Any]:

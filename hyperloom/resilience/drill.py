@@ -1,0 +1,206 @@
+"""`hyperloom drill KIND`: break a real training run on purpose and show that it heals.
+
+Each drill runs `hyperloom train` (the user's config and overrides, in `--run-dir`) with one
+fault, lets the resilience machinery deal with it, and ends with a completed run and a short
+report: what was injected, what the run did about it (from events.log), and — with
+`--reference`, the default — how the result compares with a clean run of the same job in
+RUN_DIR/reference (bitwise on the final weights where the recovery replays exactly, the
+validation loss otherwise).
+
+| kind | fault | expected recovery |
+| --- | --- | --- |
+| crash | `os._exit` after step K | the group is restarted (`--max-restarts 1`); resume from the newest committed checkpoint; final weights bitwise equal |
+| kill_during_save | process dies while the checkpoint of step K is half written | never loaded; resume from the previous one; bitwise equal |
+| hang | the process stops after step K | the watchdog dumps stacks and exits; restart; bitwise equal |
+| corrupt_latest | the newest checkpoint is damaged after the run stops at step K | the next start falls back to the previous committed checkpoint, says so; bitwise equal |
+| nan | NaN gradients at step K | rollback to the last stable checkpoint, bad window skipped; validation loss close to clean |
+| spike | loss and gradients x30 at step K | the same |
+
+The drills are REFERENCE §5.9's list, minus what needs more than one host or a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hyperloom.drill")
+
+KINDS = ("crash", "kill_during_save", "hang", "corrupt_latest", "nan", "spike")
+EXACT = {"crash", "kill_during_save", "hang", "corrupt_latest"}  # replays bit for bit
+
+
+class DrillError(RuntimeError):
+    """A drill could not run or its run did not heal (the message says which)."""
+
+
+def _train(args: list[str], nproc: int, restarts: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hyperloom", "train", *args, "--nproc", str(nproc)]
+    if restarts:
+        cmd += ["--max-restarts", str(restarts)]
+    log.info("drill: %s", " ".join(cmd[2:]))
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _fail(what: str, proc: subprocess.CompletedProcess) -> DrillError:
+    return DrillError(
+        f"{what} (exit status {proc.returncode}); its output ends:\n{proc.stderr[-3000:]}"
+    )
+
+
+def corrupt(ckpt_dir: Path) -> str:
+    """Flip one byte in the middle of a checkpoint's weights; returns what was done."""
+    f = ckpt_dir / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return f"flipped byte {len(data) // 2} of {f.relative_to(ckpt_dir.parent.parent)}"
+
+
+def run_drill(
+    kind: str,
+    run_dir: Path,
+    config: str | None,
+    overrides: list[str],
+    at: int,
+    nproc: int = 1,
+    reference: bool = True,
+    watchdog_s: float = 5.0,
+) -> dict[str, Any]:
+    """Run drill `kind` in `run_dir` and return its report (also written to drill.json)."""
+    from hyperloom.config import load_config
+    from hyperloom.resilience.events import read_events
+    from hyperloom.train import checkpoint as ckpt
+
+    if kind not in KINDS:
+        raise DrillError(f"unknown drill {kind!r}; drills are: {', '.join(KINDS)}")
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    base = ([config] if config else []) + overrides
+    cfg = load_config(config, overrides, world_size=nproc)
+    every = cfg.checkpoint.every
+    if every == 0:
+        raise DrillError("drills need periodic checkpoints: add --checkpoint.every N (e.g. 2)")
+    if kind == "kill_during_save" and at % every:
+        raise DrillError(f"kill_during_save@{at} needs a checkpoint at step {at}: every={every}")
+    if not 0 < at < cfg.train.steps:
+        raise DrillError(f"--at {at} must lie inside the run's 1..{cfg.train.steps - 1} steps")
+    report: dict[str, Any] = {"drill": kind, "at_step": at, "run_dir": str(run_dir)}
+    mine = base + ["--logging.run_dir", str(run_dir)]
+
+    if reference:
+        ref_dir = run_dir / "reference"
+        ref_args = base + ["--logging.run_dir", str(ref_dir), "--resilience.on_anomaly", "none"]
+        proc = _train(ref_args, nproc, 0)
+        if proc.returncode:
+            raise _fail("the clean reference run failed", proc)
+
+    if kind in ("crash", "kill_during_save", "hang"):
+        inject = {"crash": "crash", "hang": "hang", "kill_during_save": "kill_during_save"}[kind]
+        extra = ["--resilience.inject", f"{inject}@{at}"]
+        if kind == "hang":
+            extra += ["--resilience.watchdog_s", str(watchdog_s)]
+        proc = _train(mine + extra, nproc, 1)
+        if proc.returncode:
+            raise _fail(f"the run did not recover from {kind}@{at}", proc)
+    elif kind == "corrupt_latest":
+        first = _train(mine + ["--train.stop_at_step", str(at)], nproc, 0)
+        if first.returncode:
+            raise _fail("the first half of the run failed", first)
+        latest = ckpt.latest_checkpoint(run_dir)
+        assert latest is not None
+        report["damage"] = corrupt(latest)
+        proc = _train(mine, nproc, 0)
+        if proc.returncode:
+            raise _fail("the run did not recover from the corrupted checkpoint", proc)
+    else:
+        spec = f"{'nan_grad' if kind == 'nan' else 'loss_spike'}@{at}"
+        proc = _train(
+            mine + ["--resilience.on_anomaly", "rollback", "--resilience.inject", spec], nproc, 0
+        )
+        if proc.returncode:
+            raise _fail(f"the run did not recover from {spec}", proc)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report.update(
+        completed=summary["steps"] == cfg.train.steps,
+        steps=summary["steps"],
+        final_val_loss=summary["final_val_loss"],
+        events=[line.split(" ", 2)[-1] for line in read_events(run_dir)],
+        hang_stacks=sorted(p.name for p in run_dir.glob("hang_rank*.txt")),
+    )
+    if reference:
+        ref = json.loads((ref_dir / "summary.json").read_text())
+        report["reference_val_loss"] = ref["final_val_loss"]
+        report["val_loss_rel_diff"] = abs(ref["final_val_loss"] - summary["final_val_loss"]) / abs(
+            ref["final_val_loss"]
+        )
+        final = f"step_{cfg.train.steps:08d}"
+        same = _same_weights(run_dir / "checkpoints" / final, ref_dir / "checkpoints" / final)
+        report["weights_bitwise_equal"] = same
+        ok = same if kind in EXACT else report["val_loss_rel_diff"] <= 0.02
+        report["passed"] = bool(report["completed"] and ok)
+    else:
+        report["passed"] = bool(report["completed"])
+    (run_dir / "drill.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return list(wa) == list(wb) and all(wa[k].equal(wb[k]) for k in wa)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    run_dir = Path(args.run_dir or f"runs/drill-{args.kind}")
+    try:
+        report = run_drill(
+            args.kind,
+            run_dir,
+            args.config,
+            list(args.overrides),
+            args.at,
+            nproc=args.nproc,
+            reference=not args.no_reference,
+            watchdog_s=args.watchdog_s,
+        )
+    except DrillError as exc:
+        print(f"hyperloom drill {args.kind}: FAILED: {exc}", file=sys.stderr)
+        return 1
+    table = Table(title=f"drill {args.kind}@{args.at}", show_header=False, title_style="bold")
+    table.add_column("what", style="bold")
+    table.add_column("result")
+    for key, value in report.items():
+        if key == "events":
+            value = "\n".join(value) or "-"
+        table.add_row(key.replace("_", " "), str(value))
+    Console(width=160).print(table)
+    return 0 if report["passed"] else 1
+
+
+def add_drill_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drill",
+        help="inject a fault into a training run and check that it heals",
+        description="Drills: " + ", ".join(KINDS) + ". Config overrides as for train; the job "
+        "needs --checkpoint.every N.",
+    )
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("config", nargs="?", help="TOML job file (default: the built-in tiny job)")
+    p.add_argument("--run-dir", help="directory for the drill's runs (default runs/drill-KIND)")
+    p.add_argument("--at", type=int, default=5, help="step at which the fault strikes")
+    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
+    p.add_argument("--no-reference", action="store_true", help="skip the clean reference run")
+    p.add_argument("--watchdog-s", type=float, default=5.0, help="watchdog timeout (hang drill)")
+    p.set_defaults(func=cmd_drill, accepts_overrides=True)

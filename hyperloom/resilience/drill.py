@@ -89,6 +89,11 @@ def run_drill(
         raise DrillError("drills need periodic checkpoints: add --checkpoint.every N (e.g. 2)")
     if kind == "kill_during_save" and at % every:
         raise DrillError(f"kill_during_save@{at} needs a checkpoint at step {at}: every={every}")
+    if kind == "spike" and at <= cfg.resilience.warmup:
+        raise DrillError(
+            f"spikes are judged after resilience.warmup = {cfg.resilience.warmup} healthy steps; "
+            f"use --at above it or lower --resilience.warmup"
+        )
     if not 0 < at < cfg.train.steps:
         raise DrillError(f"--at {at} must lie inside the run's 1..{cfg.train.steps - 1} steps")
     report: dict[str, Any] = {"drill": kind, "at_step": at, "run_dir": str(run_dir)}

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 log = logging.getLogger("hyperloom.checkpoint")
 
@@ -81,6 +81,29 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """A binary file that also feeds what is written to a SHA-256."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write(path: Path, data: bytes) -> str:
+    """Write `data` durably (fsync) and return its SHA-256."""
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -103,19 +126,22 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    # safetensors wants contiguous tensors that do not share storage.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
+    # safetensors wants contiguous tensors that do not share storage (the caller's copies:
+    # hyperloom.resilience.checkpoint.stage). Each file is hashed as it is written and
+    # fsynced, rather than read back for its SHA-256 afterwards.
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+    hashes = {"model.safetensors": _write(tmp / "model.safetensors", save(tensors))}
     if after_first_file is not None:
         after_first_file()
-    torch.save(train_state, tmp / "train_state.pt")
+    with (tmp / "train_state.pt").open("wb") as f:
+        hashing = _HashingWriter(f)
+        torch.save(train_state, hashing)
+        f.flush()
+        os.fsync(f.fileno())
+    hashes["train_state.pt"] = hashing.sha256.hexdigest()
     for name, content in extra_files.items():
-        mode = "wb" if isinstance(content, bytes) else "w"
-        with (tmp / name).open(mode) as f:
-            f.write(content)
-    for p in tmp.iterdir():
-        _fsync(p)
-    hashes = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        hashes[name] = _write(tmp / name, content.encode() if isinstance(content, str) else content)
+    hashes = dict(sorted(hashes.items()))
     # The commit record, written last: without it the directory is not a checkpoint.
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sha256": hashes}, indent=2))
     _fsync(tmp / "meta.json")

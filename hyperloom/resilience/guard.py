@@ -77,9 +77,15 @@ class Guard:
         if anomaly is None:
             return True
         self.events.emit("anomaly", anomaly.detail, **anomaly.as_record())
+        committed = []
         if self.cfg.on_anomaly == "rollback":
             self.writer.wait()  # the newest checkpoint may still be in flight
-        action, target = self.policy.decide(anomaly, self._committed())
+            committed = self._committed()
+            if self.world > 1:  # what the main rank (the writer) sees, for every rank
+                box = [committed]
+                dist.broadcast_object_list(box, src=0)
+                committed = box[0]
+        action, target = self.policy.decide(anomaly, committed)
         if action == "skip":
             why = ""
             if self.cfg.on_anomaly == "rollback":

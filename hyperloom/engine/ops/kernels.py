@@ -42,6 +42,9 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"unknown op implementation {impl!r}; expected one of {IMPLS}")
 
 
+_GRAPHS_PER_KERNEL = 32
+
+
 class Kernel:
     """A pure tensor function, compiled on first use when allowed, eager otherwise.
 
@@ -61,7 +64,15 @@ class Kernel:
         if not compile or self._failed or not compile_allowed() or torch.compiler.is_compiling():
             return self.eager(*args)
         if self._compiled is None:
+            # Each (dtype, width) a model uses is its own graph: MLA's norms alone bring three
+            # widths in two dtypes, past torch's default of 8 graphs per function.
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
+            if limit is not None and limit < _GRAPHS_PER_KERNEL:
+                torch._dynamo.config.recompile_limit = _GRAPHS_PER_KERNEL
             self._compiled = torch.compile(self.fn)
+        # Kernels hold no autograd; detached inputs keep requires_grad (training vs
+        # evaluation) out of the compiled graphs' guards.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         try:
             return self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means "use eager"

@@ -278,7 +278,7 @@ class ResilienceConfig:
     inject: str = knob(
         "",
         "fault drill: kind@step[,...] with kind nan_grad, loss_spike, crash, hang, "
-        "kill_during_save (also from HYPERLOOM_INJECT)",
+        "kill_during_save, disk_full (also from HYPERLOOM_INJECT)",
     )
 
 

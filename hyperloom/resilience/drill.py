@@ -13,6 +13,7 @@ validation loss otherwise).
 | kill_during_save | process dies while the checkpoint of step K is half written | never loaded; resume from the previous one; bitwise equal |
 | hang | the process stops after step K | the watchdog dumps stacks and exits; restart; bitwise equal |
 | corrupt_latest | the newest checkpoint is damaged after the run stops at step K | the next start falls back to the previous committed checkpoint, says so; bitwise equal |
+| disk_full | ENOSPC half-way through the checkpoint of step K | nothing published, event `checkpoint_failed`, training goes on, the next save commits; bitwise equal |
 | nan | NaN gradients at step K | rollback to the last stable checkpoint, bad window skipped; validation loss close to clean |
 | spike | loss and gradients x30 at step K | the same |
 
@@ -32,8 +33,8 @@ from typing import Any
 
 log = logging.getLogger("hyperloom.drill")
 
-KINDS = ("crash", "kill_during_save", "hang", "corrupt_latest", "nan", "spike")
-EXACT = {"crash", "kill_during_save", "hang", "corrupt_latest"}  # replays bit for bit
+KINDS = ("crash", "kill_during_save", "hang", "corrupt_latest", "disk_full", "nan", "spike")
+EXACT = {"crash", "kill_during_save", "hang", "corrupt_latest", "disk_full"}  # bit for bit
 
 
 class DrillError(RuntimeError):
@@ -87,8 +88,8 @@ def run_drill(
     every = cfg.checkpoint.every
     if every == 0:
         raise DrillError("drills need periodic checkpoints: add --checkpoint.every N (e.g. 2)")
-    if kind == "kill_during_save" and at % every:
-        raise DrillError(f"kill_during_save@{at} needs a checkpoint at step {at}: every={every}")
+    if kind in ("kill_during_save", "disk_full") and at % every:
+        raise DrillError(f"{kind}@{at} needs a checkpoint at step {at}: every={every}")
     if kind == "spike" and at <= cfg.resilience.warmup:
         raise DrillError(
             f"spikes are judged after resilience.warmup = {cfg.resilience.warmup} healthy steps; "
@@ -106,9 +107,8 @@ def run_drill(
         if proc.returncode:
             raise _fail("the clean reference run failed", proc)
 
-    if kind in ("crash", "kill_during_save", "hang"):
-        inject = {"crash": "crash", "hang": "hang", "kill_during_save": "kill_during_save"}[kind]
-        extra = ["--resilience.inject", f"{inject}@{at}"]
+    if kind in ("crash", "kill_during_save", "hang", "disk_full"):
+        extra = ["--resilience.inject", f"{kind}@{at}"]
         if kind == "hang":
             extra += ["--resilience.watchdog_s", str(watchdog_s)]
         proc = _train(mine + extra, nproc, 1)
@@ -166,6 +166,7 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     run_dir = Path(args.run_dir or f"runs/drill-{args.kind}")
@@ -189,7 +190,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     for key, value in report.items():
         if key == "events":
             value = "\n".join(value) or "-"
-        table.add_row(key.replace("_", " "), str(value))
+        table.add_row(key.replace("_", " "), escape(str(value)))  # events hold [tags]
     Console(width=160).print(table)
     return 0 if report["passed"] else 1
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hyperloom.resilience.anomaly import Anomaly, AnomalyDetector
 from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import EventLog
-from hyperloom.resilience.inject import FaultInjector, die
+from hyperloom.resilience.inject import FaultInjector
 from hyperloom.resilience.policy import RecoveryPolicy, TrainingHalted
 from hyperloom.resilience.watchdog import (
     RestartLoopError,
@@ -173,7 +173,6 @@ class Guard:
     ) -> Path:
         """Write (main rank) a checkpoint; `wait` = return only once it is committed."""
         stable = self.policy.stable_checkpoint(self._committed(), step)
-        kill = self.inject.kills_save(step)
         path = self.writer.save(
             step,
             model_state,
@@ -181,7 +180,7 @@ class Guard:
             extra_files,
             meta,
             protect=frozenset() if stable is None else frozenset([stable]),
-            after_first_file=die if kill else None,
+            after_first_file=self.inject.save_fault(step),
             synchronize=self.trainer.acc.synchronize,
         )
         if wait:

@@ -8,7 +8,9 @@ fired, so a restarted or rolled-back run does not meet the same fault again):
 - `crash@k`: the process dies (`os._exit`, like `kill -9`: no cleanup, no flush of an
   in-flight checkpoint) right after step k's update;
 - `hang@k`: the process stops making progress after step k (the watchdog's job);
-- `kill_during_save@k`: the process dies while the checkpoint of step k is half written.
+- `kill_during_save@k`: the process dies while the checkpoint of step k is half written;
+- `disk_full@k`: writing the checkpoint of step k fails half-way with ENOSPC (the writer
+  raises; training goes on).
 
 Without `:rN` the numeric faults hit every rank and the process faults hit rank 0. The
 variable HYPERLOOM_INJECT adds specs to the config's, for drills on an existing config.
@@ -18,10 +20,12 @@ faults (REFERENCE §5.4, §5.9).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +35,7 @@ if TYPE_CHECKING:  # config validation parses specs: keep this module free of to
 
 log = logging.getLogger("hyperloom.resilience")
 
-KINDS = ("nan_grad", "loss_spike", "crash", "hang", "kill_during_save")
+KINDS = ("nan_grad", "loss_spike", "crash", "hang", "kill_during_save", "disk_full")
 NUMERIC = ("nan_grad", "loss_spike")
 SPIKE_FACTOR = 30.0
 CRASH_EXIT = 43  # exit status of an injected crash (distinct from errors, 1, and usage, 2)
@@ -114,8 +118,17 @@ class FaultInjector:
             while True:  # only the watchdog (or a signal) ends this
                 time.sleep(3600)
 
-    def kills_save(self, step: int) -> bool:
-        return bool(self.faults) and self._take("kill_during_save", step) is not None
+    def save_fault(self, step: int) -> Callable[[], None] | None:
+        """What to do once the first file of step `step`'s checkpoint is written, if anything."""
+        if self.faults and self._take("kill_during_save", step):
+            return die
+        if self.faults and self._take("disk_full", step):
+            return _disk_full
+        return None
+
+
+def _disk_full() -> None:
+    raise OSError(errno.ENOSPC, "No space left on device (injected by the disk_full drill)")
 
 
 def die() -> None:

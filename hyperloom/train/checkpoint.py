@@ -154,6 +154,9 @@ def save_checkpoint(
     for old in committed[:-keep]:
         if checkpoint_step(old) not in protect:
             shutil.rmtree(old, ignore_errors=True)
+    for dead in root.glob("step_*.tmp"):  # saves of earlier steps that never finished
+        if dead.name[:13] < final.name:
+            shutil.rmtree(dead, ignore_errors=True)
     return final
 
 

@@ -157,6 +157,23 @@ def test_kill_during_save_leaves_the_previous_checkpoint_latest(tmp_path):
         assert ckpt.latest_verified(root) == (ckpt.checkpoint_root(root) / "step_00000004", [])
 
 
+def test_disk_full_mid_save_publishes_nothing_and_training_goes_on(
+    reference, tiny_job_args, tmp_path
+):
+    cfg = job(
+        tmp_path, tiny_job_args, checkpoint__async_save=True, resilience__inject="disk_full@4"
+    )
+    s = Trainer(cfg).run().summary
+    assert s["steps"] == STEPS
+    (failed,) = json_events(tmp_path, "checkpoint_failed")
+    assert (
+        failed["step"] == 4 and "No space left on device" in (tmp_path / "events.log").read_text()
+    )
+    names = [p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()]
+    assert sorted(names) == ["step_00000006", "step_00000008", "step_00000010"]  # .tmp cleaned
+    assert_same_weights(final_weights(tmp_path), final_weights(reference))
+
+
 def test_staging_copies_so_later_updates_do_not_leak_into_the_save(tmp_path):
     w = torch.zeros(1 << 16)
     writer = CheckpointWriter(tmp_path, keep=1, async_save=True)

@@ -127,13 +127,31 @@ def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: 
     os._exit(0)  # no gloo teardown at interpreter exit (see cli._leave)
 
 
+_LAUNCHER_VARS = (
+    "TORCHELASTIC_",
+    "MASTER_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_",
+    "TORCH_",
+    "HYPERLOOM_RESTART",
+)
+
+
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     """All-reduce times over `world` local ranks, fitted to the ring model.
 
     The ranks are fresh interpreters (not multiprocessing children), so measuring works the
-    same whatever script or module started the parent.
+    same whatever script or module started the parent. They get an environment without the
+    launcher's variables: started from a torchrun worker (the training self-check), they
+    would otherwise join torchrun's rendezvous store instead of their own group and hang.
     """
     port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
         code = (
@@ -153,11 +171,17 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
                     kind,
                     ",".join(map(str, sizes)),
                     out,
-                ]
+                ],
+                env=env,
             )
             for rank in range(world)
         ]
-        codes = [p.wait(timeout=300) for p in procs]
+        try:
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:  # never leave a stuck rank behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         if any(codes):
             raise RuntimeError(f"collective benchmark ranks exited with {codes}")
         times = [float(v) for v in Path(out).read_text().split(",")]

@@ -12,8 +12,9 @@ The pieces, each a file:
 - `hardware`: accelerator profiles (H100, H200, A100, B200, MI300X, MTT S4000) as data with
   their sources, a GEMM efficiency model, JSON profiles; `Cluster`.
 - `collectives`: alpha-beta ring costs per topology level, NIC sharing, rank-order strides.
-- `model`: `ModelSpec` (dense Llama or GPT shapes) and `build_layer`, the one list of GEMMs,
-  attention work, memory traffic and saved tensors that both costs and memory read.
+- `model`: `ModelSpec` (dense Llama or GPT shapes; DeepSeek MoE/MLA/MTP) and `build_layer`,
+  the one list of GEMMs, attention work, memory traffic and saved tensors that both costs
+  and memory read.
 - `strategy`: `Strategy` (tp, pp, vpp, dp, cp, ep, ZeRO, micro-batches, schedule, recompute,
   FP8) with `check`, and `Runtime` (hyperloom's or Megatron's storage and overlap).
 - `costs`: per-layer and per-chunk F/B/W seconds with exposed TP/CP/ZeRO-3 communication,

@@ -45,6 +45,7 @@ _FIXABLE = {
     "schedule": str,
     "recompute": str,
     "fp8": "bool",
+    "ep": int,  # only ep=1: expert parallelism is not costed yet
 }
 
 
@@ -124,6 +125,10 @@ def parse_fix(text: str) -> dict[str, Any]:
                     vals.append(kind(v.strip()))
             except ValueError:
                 raise PlanError(f"--fix {key}: {v!r} is not a {kind.__name__}") from None
+        if key == "ep":
+            if set(vals) != {1}:
+                raise PlanError(f"--fix ep={value}: expert parallelism is not costed yet; ep=1")
+            continue
         out[key] = tuple(vals)
     return out
 

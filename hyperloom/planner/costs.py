@@ -253,6 +253,7 @@ def chunk_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
             p += spec.embedding_params()
         if i == len(layers) - 1:
             p += spec.dim + (spec.embedding_params() if not spec.tie_embeddings or i else 0)
+            p += spec.mtp_params()
         out.append(p / tp)
     return out
 

@@ -112,8 +112,9 @@ def chunk_activation_extras(spec: ModelSpec, s: Strategy, seq: int, first: bool,
     out = 0.0
     if first and spec.dropout:
         out += x_sp
-    if last:
-        out += 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
+    if last:  # and per MTP depth its own head input and logits
+        head = 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
+        out += head * (1 + spec.mtp_depth)
     return out
 
 
@@ -151,7 +152,8 @@ def rank_memory(
     params = sum(chunk_params[c] for c in chunks)
     p, g, o = states(params, s, rt)
     unit = max(
-        layers[c] * lm.saved + chunk_activation_extras(spec, s, seq, c == 0, c == last)
+        (layers[c] + (spec.mtp_depth if c == last else 0)) * lm.saved
+        + chunk_activation_extras(spec, s, seq, c == 0, c == last)
         for c in chunks
     )
     n_layers = sum(layers[c] for c in chunks)

@@ -26,8 +26,8 @@ linear input instead of 2sbh/t.
 Recompute modules (`RECOMPUTE_MODULES`): ``core_attn`` (softmax/dropout intermediates, or the
 flash log-sum-exp), ``mlp_act`` (the activation output that feeds the second MLP GEMM),
 ``norm`` (norm outputs that feed the first GEMM of each block); ``full`` keeps only the layer
-input. Extending the planner to MoE or MLA means adding their GEMMs, all-to-all buffers and
-saved tensors here; costs and memory follow.
+input. The DeepSeek family (MoE, MLA, MTP) is one mean layer (`_build_deepseek_layer`);
+expert parallelism's all-to-all buffers are what is still to add here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes of a dense decoder-only transformer (Llama or GPT style)."""
+    """Shapes of a decoder-only transformer: dense (Llama or GPT style) or DeepSeek (MoE,
+    MLA, MTP; the fields below `family`, zero for dense models)."""
 
     name: str
     n_layers: int
@@ -58,10 +59,28 @@ class ModelSpec:
     flash_attention: bool = True
     tie_embeddings: bool = False
     family: str = "llama"
+    # DeepSeek family (MoE, MLA, MTP); zero for dense models. See `build_layer` for the costs.
+    n_dense_layers: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_depth: int = 0
+    # Tokens on the busiest expert-parallel rank over the mean (applies only when ep > 1,
+    # which `strategy.check` rejects today; at ep = 1 one grouped GEMM runs tokens x top_k
+    # rows whatever the routing). 1.25: an assumption, not a measurement.
+    moe_imbalance: float = 1.25
 
     def __post_init__(self) -> None:
         if min(self.n_layers, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim) < 1:
             raise PlanError(f"model {self.name}: every size must be positive")
+        if self.mla:
+            return
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise PlanError(
                 f"model {self.name}: dim ({self.dim}) must divide by heads ({self.n_heads}) "
@@ -70,8 +89,19 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str | None = None) -> ModelSpec:
-        if cfg.family != "llama":
-            raise PlanError(f"the planner models the llama family only, got {cfg.family!r}")
+        if cfg.family not in ("llama", "deepseek"):
+            raise PlanError(
+                f"the planner models the llama and deepseek families only, got {cfg.family!r}"
+            )
+        extra = {}
+        if cfg.family == "deepseek":
+            names = (
+                "n_routed_experts n_shared_experts moe_top_k moe_ffn_dim q_lora_rank "
+                "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim mtp_depth"
+            )
+            extra = {k: getattr(cfg, k) for k in names.split()}
+            extra["family"] = "deepseek"
+            extra["n_dense_layers"] = cfg.n_dense_layers if cfg.n_routed_experts else cfg.n_layers
         return cls(
             name or cfg.preset,
             cfg.n_layers,
@@ -81,7 +111,20 @@ class ModelSpec:
             cfg.ffn_dim,
             cfg.vocab_size,
             tie_embeddings=cfg.tie_embeddings,
+            **extra,
         )
+
+    @property
+    def mla(self) -> bool:
+        return self.family == "deepseek"
+
+    @property
+    def n_moe_layers(self) -> int:
+        return (self.n_layers - self.n_dense_layers) if self.n_routed_experts else 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -89,22 +132,72 @@ class ModelSpec:
 
     @property
     def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
+        return self.n_heads * self.qk_head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def v_dim(self) -> int:
+        return self.n_heads * (self.v_head_dim if self.mla else self.head_dim)
+
+    # DeepSeek bookkeeping, the same sums as hyperloom/models/deepseek/accounting.py.
+    def _mla_matmul(self) -> int:
+        h, q = self.dim, self.q_dim
+        wq = h * self.q_lora_rank + self.q_lora_rank * q if self.q_lora_rank else h * q
+        wkv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        wkv += self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return wq + wkv + self.v_dim * h
+
+    def _ffn_matmul(self, moe: bool, routed: int) -> int:
+        if not moe:
+            return 3 * self.dim * self.ffn_dim
+        experts = (routed + self.n_shared_experts) * 3 * self.dim * self.moe_ffn_dim
+        return self.n_routed_experts * self.dim + experts
+
+    def _block_matmul(self, moe: bool, routed: int) -> int:
+        return self._mla_matmul() + self._ffn_matmul(moe, routed)
+
+    def _block_extras(self, moe: bool) -> int:
+        return (
+            2 * self.dim
+            + self.q_lora_rank
+            + self.kv_lora_rank
+            + (self.n_routed_experts if moe else 0)
+        )
+
+    def _layers_params(self) -> int:
+        """All decoder layers of the main model (matrices and norms)."""
+        if not self.mla:
+            return self.n_layers * self.layer_params()
+        E, n_moe = self.n_routed_experts, self.n_moe_layers
+        dense = (self.n_layers - n_moe) * (self._block_matmul(False, 0) + self._block_extras(False))
+        return dense + n_moe * (self._block_matmul(True, E) + self._block_extras(True))
+
+    def mtp_params(self) -> int:
+        """MTP modules (one block + eh_proj + norms each; embedding and head shared)."""
+        moe = bool(self.n_routed_experts)
+        block = self._block_matmul(moe, self.n_routed_experts) + self._block_extras(moe)
+        return self.mtp_depth * (block + 2 * self.dim * self.dim + 3 * self.dim)
+
+    @property
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
-    def layer_matmul_params(self) -> int:
+    def layer_matmul_params(self) -> float:
+        """Matrices of one layer (all experts); the mean over layers for the DeepSeek family."""
+        if self.mla:
+            n_moe, E = self.n_moe_layers, self.n_routed_experts
+            dense = (self.n_layers - n_moe) * self._block_matmul(False, 0)
+            return (dense + n_moe * self._block_matmul(True, E)) / self.n_layers
         attn = self.dim * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.dim
         return attn + self.mlp_matrices * self.dim * self.ffn_dim
 
-    def layer_params(self) -> int:
-        """Matrices, biases and norm weights of one layer."""
+    def layer_params(self) -> float:
+        """Matrices, biases and norm weights of one layer (the mean for the DeepSeek family)."""
+        if self.mla:
+            return self._layers_params() / self.n_layers
         n = self.layer_matmul_params() + (2 if self.norm == "rms" else 4) * self.dim
         if self.bias:
             n += self.q_dim + 2 * self.kv_dim + self.dim + (self.mlp_matrices - 1) * self.ffn_dim
@@ -116,16 +209,27 @@ class ModelSpec:
 
     def params(self) -> int:
         head = 0 if self.tie_embeddings else self.embedding_params()
-        return self.n_layers * self.layer_params() + self.embedding_params() + head + self.dim
+        layers = self._layers_params() + self.mtp_params()
+        return layers + self.embedding_params() + head + self.dim
 
     def matmul_params(self) -> int:
-        """Weights in a matmul per token: every layer's linears plus the output head."""
+        """Weights in a matmul per token: every layer's linears plus the output head; for
+        MoE the top-k routed experts only, MTP blocks and one head per prediction depth."""
+        if self.mla:
+            k, n_moe, d = self.moe_top_k, self.n_moe_layers, self.mtp_depth
+            main = (self.n_layers - n_moe) * self._block_matmul(False, 0)
+            main += n_moe * self._block_matmul(True, k)
+            moe = bool(self.n_routed_experts)
+            mtp = d * (self._block_matmul(moe, k) + 2 * self.dim * self.dim)
+            return main + mtp + (1 + d) * self.embedding_params()
         return self.n_layers * self.layer_matmul_params() + self.embedding_params()
 
     def model_flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token, Megatron/PaLM convention (full attention matrix): the
-        same number as `hyperloom.models.llama.accounting.training_flops_per_token`."""
-        return 6.0 * self.matmul_params() + 12.0 * self.n_layers * seq * self.q_dim
+        same number as `hyperloom.models.llama.accounting.training_flops_per_token` (and
+        the deepseek accounting's: activated parameters, MTP included)."""
+        attn = 6.0 * seq * (self.q_dim + self.v_dim)
+        return 6.0 * self.matmul_params() + (self.n_layers + self.mtp_depth) * attn
 
 
 @dataclass(frozen=True)
@@ -177,9 +281,18 @@ class Layer:
 
 
 def build_layer(
-    spec: ModelSpec, mbs: int, seq: int, tp: int, cp: int, sp: bool, sharded_save: bool = True
+    spec: ModelSpec,
+    mbs: int,
+    seq: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    sharded_save: bool = True,
+    ep: int = 1,
 ) -> Layer:
     """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks."""
+    if spec.mla:
+        return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep)
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
     t, tokens = tp, mbs * seq / cp  # tokens this rank owns along the sequence
     sp = sp and t > 1
@@ -250,6 +363,125 @@ def build_layer(
         saved=tuple(saved),
         tp_buffer=2.0 * x_full,
         cp_buffer=2.0 * 2.0 * tokens * cp * kv / t,
+        grad_out_bytes=grad_out,
+    )
+
+
+def _build_deepseek_layer(
+    spec: ModelSpec, mbs: int, seq: int, tp: int, cp: int, sp: bool, sharded_save: bool, ep: int
+) -> Layer:
+    """The mean DeepSeek layer: MLA plus, weighted by their share of the layers, the dense
+    SwiGLU FFN of the first `n_dense_layers` and the MoE FFN of the rest (GEMM `count` and
+    saved bytes carry the weights, so a chunk of n layers costs n means: exact in total,
+    spread evenly over the pipeline instead of putting the dense layers on the first stage).
+
+    MLA: the down-projections (wq_a, wkv_a) are replicated over tp, the up-projections and
+    wo split by heads; attention with q/k head dim nope + rope and v head dim v_head_dim.
+    MoE: the router GEMM (replicated), the shared experts as one SwiGLU of width
+    shared x moe_ffn_dim split over tp, the routed experts as a grouped GEMM of E/ep experts
+    with tokens x top_k / E rows each (times `moe_imbalance` on the busiest rank when ep > 1),
+    each expert's width split over tp; dispatch/combine as permutation traffic.
+    """
+    h, a, t = spec.dim, spec.n_heads, tp
+    tokens = mbs * seq / cp
+    sp = sp and t > 1
+    x_full = tokens * h
+    x_sp = x_full / t if sp else x_full
+    x_in = x_sp if (sp and sharded_save) else x_full
+    qk, vd, rope = spec.qk_head_dim, spec.v_head_dim, spec.qk_rope_head_dim
+    ql, kvl = spec.q_lora_rank, spec.kv_lora_rank
+    q_dim, v_dim = a * qk, a * vd
+    n_moe = spec.n_moe_layers
+    wm = n_moe / spec.n_layers
+    wd = 1.0 - wm
+    gemms = []
+    if ql:
+        gemms += [Gemm("wq_a", tokens, ql, h), Gemm("wq_b", tokens, q_dim / t, ql)]
+    else:
+        gemms.append(Gemm("wq", tokens, q_dim / t, h))
+    gemms += [
+        Gemm("wkv_a", tokens, kvl + rope, h),
+        Gemm("wkv_b", tokens, a * (spec.qk_nope_head_dim + vd) / t, kvl),
+        Gemm("wo", tokens, h, v_dim / t),
+    ]
+    f = spec.ffn_dim
+    if wd:
+        gemms += [
+            Gemm("fc1", tokens, 2 * f / t, h, wd),
+            Gemm("fc2", tokens, h, f / t, wd),
+        ]
+    E, k, fe, S = spec.n_routed_experts, spec.moe_top_k, spec.moe_ffn_dim, spec.n_shared_experts
+    routed_rows = tokens * k  # rows through the routed experts of this rank (ep = 1)
+    if wm:
+        local = E / ep
+        rows = tokens * k / E * (spec.moe_imbalance if ep > 1 else 1.0)
+        routed_rows = rows * local
+        gemms.append(Gemm("router", tokens, E, h, wm))
+        if S:
+            gemms += [
+                Gemm("shared_fc1", tokens, 2 * S * fe / t, h, wm),
+                Gemm("shared_fc2", tokens, h, S * fe / t, wm),
+            ]
+        gemms += [
+            Gemm("experts_fc1", rows, 2 * fe / t, h, wm * local),
+            Gemm("experts_fc2", rows, h, fe / t, wm * local),
+        ]
+    heads = a / t
+    full_core = 2.0 * tokens * seq * (q_dim + v_dim) / t
+    saved = [
+        Saved("norm1_in", 2 * x_sp, "input"),
+        Saved("attn_in", 2 * x_in, "norm", gemm_input=True),
+        Saved("q_latent", 2 * tokens * (ql + ql), "layer", gemm_input=True),  # pre/post norm
+        Saved("kv_latent", 2 * tokens * (2 * kvl + rope), "layer", gemm_input=True),
+        Saved("q", 2 * tokens * q_dim / t, "layer"),
+        Saved("k", 2 * tokens * q_dim / t, "layer"),
+        Saved("v", 2 * tokens * v_dim / t, "layer"),
+        Saved("lse", 4 * tokens * heads, "core_attn"),
+        Saved("out_in", 2 * tokens * v_dim / t, "layer", gemm_input=True),
+        Saved("norm2_in", 2 * x_sp, "layer"),
+        Saved("ffn_in", 2 * x_in, "norm", gemm_input=True),
+    ]
+    if wd:
+        saved += [
+            Saved("fc1_out", wd * 2 * tokens * 2 * f / t, "layer"),
+            Saved("fc2_in", wd * 2 * tokens * f / t, "mlp_act", gemm_input=True),
+        ]
+    act = 6.0 * tokens * wd * f / t
+    permute = 0.0
+    if wm:
+        shared = S * fe / t
+        saved += [
+            Saved("router_probs", wm * 4 * tokens * E * 2, "layer"),
+            Saved("shared_fc1_out", wm * 2 * tokens * 2 * shared, "layer"),
+            Saved("shared_fc2_in", wm * 2 * tokens * shared, "mlp_act", gemm_input=True),
+            Saved("dispatched", wm * 2 * routed_rows * h, "layer", gemm_input=True),
+            Saved("experts_fc1_out", wm * 2 * routed_rows * 2 * fe / t, "layer"),
+            Saved("experts_fc2_in", wm * 2 * routed_rows * fe / t, "mlp_act", gemm_input=True),
+            Saved("experts_out", wm * 2 * routed_rows * h, "layer"),
+        ]
+        act += wm * 6.0 * (tokens * shared + routed_rows * fe / t)
+        # router softmax/sigmoid + top-k (fp32), permute in and out, weighted combine
+        permute = wm * (8.0 * tokens * E + 2 * 4.0 * routed_rows * h + 6.0 * routed_rows * h)
+    norms = 2 * 4.0 * x_sp + 4.0 * tokens * (ql + kvl)
+    elementwise = (
+        norms
+        + 4.0 * tokens * (heads * rope + rope)  # RoPE on the rope parts of q and k
+        + 2 * 6.0 * x_sp
+        + act
+        + permute
+    )
+    grad_out = sum(2.0 * g.m * g.n * g.count for g in gemms)
+    return Layer(
+        gemms=tuple(gemms),
+        attn_flops=full_core / 2,
+        attn_gemms=(),
+        elementwise_bytes=elementwise,
+        norm_bytes=norms,
+        act_bytes=act,
+        core_bytes=0.0,
+        saved=tuple(saved),
+        tp_buffer=2.0 * x_full,
+        cp_buffer=2.0 * tokens * cp * (q_dim + v_dim) / t,
         grad_out_bytes=grad_out,
     )
 

@@ -25,6 +25,15 @@ Three sources, each reproduced here as data with what we had to assume stated be
    interleaved 1F1B with 2 chunks per rank (the paper uses an interleaved schedule and
    removes a layer from the first and the last stage), ZeRO-1 with Megatron-style overlap,
    and the lightest recomputation that fits in 80 GB.
+4. DeepSeek-V3 (arXiv 2412.19437): 2.788M H800 GPU-hours for 14.8T tokens (2.664M of them
+   pre-training; we use the whole figure, as quoted), 2048 H800s, sequence 4096, batch up to
+   15,360 sequences. Derived MFU = 14.8e12 x 291.85 GFLOP per token (our accounting:
+   activated parameters, MTP and full attention) / (2.788e6 x 3600 s x 989.4 TFLOP/s) =
+   0.435 (0.455 on the pre-training hours alone). Their layout (EP 64, PP 16 with DualPipe,
+   no TP, FP8) needs expert parallelism, which the planner does not cost yet; we predict the
+   closest layout it can: TP 8, PP 16, DP 16, ZeRO-1, 1F1B, full recomputation, BF16,
+   `megatron` runtime, the h100 profile with H800's NVLink (400 GB/s both ways, 200 one way).
+   The comparison therefore measures what skipping EP costs, not the model's accuracy.
 """
 
 from __future__ import annotations
@@ -223,6 +232,22 @@ def llama3_405b(
     return out
 
 
+DEEPSEEK_V3_MFU = 14.8e12 * 291_847_274_496 / (2.788e6 * 3600 * 989.4e12)  # 0.435
+
+
+def deepseek_v3(fast: bool = True) -> list[tuple[Row, Plan]]:
+    """DeepSeek-V3's derived MFU against the closest layout without EP (docstring item 4)."""
+    from hyperloom.models.registry import preset_config
+
+    spec = ModelSpec.from_model_config(preset_config("deepseek-v3"), "deepseek-v3")
+    cluster = Cluster.of("h100", 2048)
+    cluster = replace(cluster, accel=replace(cluster.accel, intra_gbs=200.0))
+    s = Strategy(tp=8, pp=16, dp=16, zero=1, mbs=1, microbatches=960, recompute="full")
+    plan = predict(spec, cluster, s, 4096, "megatron", fast=fast)
+    note = plan.strategy.label() + ("" if plan.fits else " (does not fit)")
+    return [(Row("DeepSeek-V3", "2048 H800, ep 1", "MFU", DEEPSEEK_V3_MFU, plan.mfu, note), plan)]
+
+
 # Rows the efficiency factor is fitted on; the others are held out.
 FIT_ROWS = ("1.7B", "16B", "70B", "177B", "462B")
 
@@ -287,6 +312,8 @@ def report_markdown() -> str:
     out.append(_table([r for r, _ in llama3_405b(policies=("none",))], "plan"))
     out.append(f"\n### Llama 3 405B, H100, with the efficiency {eff} fitted on Megatron\n")
     out.append(_table([r for r, _ in llama3_405b({"efficiency": eff})], "plan"))
+    out.append("\n### DeepSeek-V3, H800 (h100 profile, 200 GB/s NVLink), a priori, ep 1\n")
+    out.append(_table([r for r, _ in deepseek_v3()], "plan"))
     return "\n".join(out)
 
 

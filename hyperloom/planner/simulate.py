@@ -180,10 +180,12 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     reset, so one entry serves every schedule of a layout."""
     links = links_for(cluster, key)
     acc = effective_accelerator(cluster, rt)
-    layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save)
+    layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep)
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links)
     head = head_phase(spec, key, seq, acc, links)
+    if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
+        head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
     return LayerMemory.of(layer, key.recompute, key.fp8), one, emb, head, links
 
 

@@ -156,6 +156,8 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
             return f"{name} ({value}) is not divisible by tp ({s.tp})"
     if spec.ffn_dim % s.tp or spec.vocab_size % s.tp:
         return f"ffn_dim ({spec.ffn_dim}) and vocab ({spec.vocab_size}) must divide by tp ({s.tp})"
+    if spec.moe_ffn_dim % s.tp:
+        return f"moe_ffn_dim ({spec.moe_ffn_dim}) must divide by tp ({s.tp})"
     split = s.cp * 2 if s.cp > 1 else 1  # load-balanced CP cuts 2*cp chunks
     if seq % (split * (s.tp if s.sp and s.tp > 1 else 1)):
         return f"seq ({seq}) must divide by {'2*cp*' if s.cp > 1 else ''}tp = {split * s.tp}"
@@ -173,7 +175,9 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
     if s.schedule == "dualpipev" and m < 2 * p:
         return f"dualpipev needs microbatches ({m}) >= 2*pp = {2 * p}"
     if s.ep > 1:
-        return f"ep = {s.ep}: the dense family has no experts"
+        if not spec.n_routed_experts:
+            return f"ep = {s.ep}: the dense family has no experts"
+        return f"ep = {s.ep}: expert parallelism (its all-to-all) is not costed yet; use ep = 1"
     if s.model_chunks > spec.n_layers:
         return (
             f"pp({s.pp}) * chunks per rank({s.stages_per_rank}) = {s.model_chunks} chunks "

@@ -678,13 +678,40 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"{par.dp * par.cp} (experts fold over data x context parallel)"
             )
     p.extend(_moe_problems(cfg))
-    if cfg.precision.fp8 != "none" and par.tp > 1:
-        p.append(
-            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.tp = {par.tp}: FP8 under "
-            f"tensor parallelism (amax reduced over the tp group) is not built yet; use tp = 1"
-        )
+    if cfg.precision.fp8 != "none" and par.tp > 1 and not bad:
+        p.extend(_fp8_tensor_parallel_problems(cfg))
     if p:
         raise ConfigError(p)
+
+
+def _fp8_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
+    """FP8 with tp > 1: per-tensor recipes reduce their amax over the group; block recipes
+    need every tensor-parallel shard to be whole scale blocks (hyperloom.parallel.
+    tensor_parallel); rowwise scales span the sharded contraction dimension."""
+    m, fp8, tp = cfg.model, cfg.precision.fp8, cfg.parallel.tp
+    if fp8 == "rowwise":
+        return [
+            f"precision.fp8 = 'rowwise' with parallel.tp = {tp} is not supported: per-row "
+            f"scales span the contraction dimension, which tensor parallelism shards; use "
+            f"'current', 'delayed', 'blockwise' or 'mxfp8'"
+        ]
+    block = {"blockwise": 128, "mxfp8": 32}.get(fp8)
+    if block is None or m.n_heads <= 0 or m.dim % m.n_heads:
+        return []
+    head_dim = m.dim // m.n_heads
+    widths = {
+        "model.dim (wq rows, wo columns)": m.dim,
+        "model.n_kv_heads * head_dim (wk, wv rows)": m.n_kv_heads * head_dim,
+        "model.ffn_dim (w1, w3 rows, w2 columns)": m.ffn_dim,
+    }
+    return [
+        f"precision.fp8 = '{fp8}' with parallel.tp = {tp}: {name} = {width} splits into "
+        f"shards of {width / tp:.4g} features, not a multiple of the {block}-element scale "
+        f"block; each shard must be a multiple of {block} (the width a multiple of "
+        f"{block * tp}) so scale blocks do not straddle ranks"
+        for name, width in widths.items()
+        if width > 0 and (width % tp or (width // tp) % block)
+    ]
 
 
 def _resilience_problems(cfg: JobConfig) -> list[str]:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_linear
+from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling, RowwiseScaling
 from hyperloom.engine.ops import linear_cross_entropy
 
 SEQ_DIM = 1
@@ -153,19 +155,73 @@ def _shard_param(full_shape: tuple[int, ...], dim: int, group, like: torch.Tenso
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class _TPLinear(Fp8State, nn.Module):
+    """FP8 for a tensor-parallel linear made from an `Fp8Linear` (else plain `F.linear`).
+
+    The FP8 engine gets the shard and a callback that all-reduces (MAX) an amax over the
+    group for the roles whose tensor is sharded, so per-tensor recipes (delayed, current)
+    use the whole tensor's scale and delayed histories stay identical across ranks.
+    Blockwise / MXFP8 scales are local to their blocks: equal to one process's when the
+    sharded dimension is a whole number of blocks, which is checked here. Rowwise scales span
+    the contraction dimension, which one of each layer's GEMMs has sharded: not supported.
+    """
+
+    sharded_roles: tuple[str, ...] = ()
+
+    def _init_fp8(self, linear: nn.Module, group, shard_size: int, kind: str) -> None:
+        recipe = getattr(linear, "recipe", None)
+        if recipe is None:
+            self.recipe, self.fp8_amax_history, self.fp8_scale = None, None, None
+            return
+        if isinstance(recipe, RowwiseScaling) and _world(group) > 1:
+            raise ValueError(
+                "precision.fp8 = 'rowwise' with tensor parallelism is not supported: per-row "
+                "scales span the contraction dimension, which tp shards"
+            )
+        blocked = isinstance(recipe, (BlockwiseScaling, MXFP8Scaling))
+        if blocked and _world(group) > 1 and shard_size % recipe.block:
+            raise ValueError(
+                f"FP8 {recipe.name} under tensor parallelism: the {kind} shard of "
+                f"{tuple(linear.weight.shape)} has {shard_size} features, not a multiple of "
+                f"the {recipe.block}-element scale block, so scale blocks would straddle "
+                f"ranks; make the sharded dimension a multiple of tp * {recipe.block}"
+            )
+        self._setup_fp8(recipe, 1, getattr(linear, "fp8_activation", False), linear.weight.device)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = None if self.recipe is None else active_recipe(self.recipe)
+        if recipe is None:
+            return F.linear(x, self.weight)
+        group = self.group
+        reduce = None
+        if group is not None:
+
+            def reduce_max(t: torch.Tensor) -> torch.Tensor:
+                return _all_reduce_op(t, group, dist.ReduceOp.MAX)
+
+            reduce = dict.fromkeys(self.sharded_roles, reduce_max)
+        states = self._states(recipe)
+        return fp8_linear(x, self.weight, None, recipe, states, self.fp8_activation, reduce)
+
+
+class ColumnParallelLinear(_TPLinear):
     """y = x W_iᵀ for this rank's rows W_i of W (output features split across the group).
 
     The input must already be whole and "copied into" the group: `prepare_tp_input` on the
     enclosing block does that once for q, k and v (or w1 and w3) instead of once per linear.
+    Under FP8 the weight and the output gradient are the sharded tensors.
     """
+
+    sharded_roles = ("weight", "grad_output")
 
     def __init__(self, linear: nn.Linear, group):
         super().__init__()
+        self.group = group
         self.weight = _shard_param(tuple(linear.weight.shape), 0, group, linear.weight)
+        self._init_fp8(linear, group, self.weight.shape[0], "output-feature")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (b, s, out / tp)
+        return self._linear(x)  # (b, s, out / tp)
 
 
 def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
@@ -181,16 +237,21 @@ def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
     module.register_forward_pre_hook(hook)
 
 
-class RowParallelLinear(nn.Module):
-    """y = Σ_i x_i W_iᵀ over the group, W_i this rank's columns (input features split)."""
+class RowParallelLinear(_TPLinear):
+    """y = Σ_i x_i W_iᵀ over the group, W_i this rank's columns (input features split).
+    Under FP8 the input and the weight are the sharded tensors; FP8 GEMM outputs are
+    high precision, so the partial sums are reduced in high precision."""
+
+    sharded_roles = ("input", "weight")
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_param(tuple(linear.weight.shape), 1, group, linear.weight)
+        self._init_fp8(linear, group, self.weight.shape[1], "input-feature")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # (b, s, out), this rank's share of the sum
+        partial = self._linear(x)  # (b, s, out), this rank's share of the sum
         if self.sequence_parallel:
             return reduce_scatter_seq(partial, self.group)  # (b, s/tp, out)
         return reduce_from_tp(partial, self.group)

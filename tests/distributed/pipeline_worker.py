@@ -108,6 +108,12 @@ def run_case(case: str, acc) -> dict:
 
 
 def main() -> None:
+    run_cases(run_case)
+
+
+def run_cases(run_case) -> None:
+    """The torchrun worker loop: `run_case(case, acc)` for each CASE argument, results as
+    JSON from rank 0 (also used by other one-launch workers, e.g. fp8_tp_worker.py)."""
     out_path, cases = sys.argv[1], sys.argv[2:]
     acc = get_accelerator("cpu")
     init_distributed(acc)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from hyperloom.engine.fp8.modules import Fp8GroupedLinear, Fp8Linear
+from hyperloom.engine.fp8.modules import Fp8Linear, Fp8State
 from hyperloom.engine.fp8.recipes import Recipe
 
 log = logging.getLogger("hyperloom.engine.fp8")
@@ -56,9 +56,11 @@ def convert_to_fp8(
     return converted
 
 
-def fp8_modules(model: nn.Module) -> Iterable[tuple[str, Fp8Linear | Fp8GroupedLinear]]:
+def fp8_modules(model: nn.Module) -> Iterable[tuple[str, Fp8State]]:
+    """FP8 layers: Fp8Linear, Fp8GroupedLinear and layers built on `Fp8State` with a recipe
+    (tensor-parallel linears converted from Fp8Linear)."""
     for name, m in model.named_modules():
-        if isinstance(m, (Fp8Linear, Fp8GroupedLinear)):
+        if isinstance(m, Fp8State) and getattr(m, "recipe", None) is not None:
             yield name, m
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,7 @@ class _Plan:
     states: dict[str, DelayedState | None]
     fp8_activation: bool
     out_dtype: torch.dtype
+    reduce_amax: dict[str, Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 def _no_autocast(device: torch.device):
@@ -93,8 +95,9 @@ class _Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: _Plan):
         with _no_autocast(x.device):
             x2d = x.reshape(-1, x.shape[-1])  # (M, K)
-            qx = _q(x2d, plan.recipe, "input", plan.states["input"])
-            qw = _q(weight, plan.recipe, "weight", plan.states["weight"])
+            red = plan.reduce_amax
+            qx = _q(x2d, plan.recipe, "input", plan.states["input"], red["input"])
+            qw = _q(weight, plan.recipe, "weight", plan.states["weight"], red["weight"])
             y = fp8_gemm(qx, qw)  # (M, N) fp32
             if bias is not None:
                 y = y + bias.float()
@@ -112,7 +115,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         with _no_autocast(dy.device):
             dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
-            qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"])
+            red = plan.reduce_amax["grad_output"]
+            qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"], red)
             if ctx.needs_input_grad[0]:
                 wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight")
                 dx = fp8_gemm(qdy, wt).to(ctx.x_dtype).view(ctx.x_shape)  # (…, K)
@@ -142,13 +146,21 @@ def fp8_linear(
     recipe: Recipe,
     states: dict[str, DelayedState | None] | None = None,
     fp8_activation: bool = False,
+    reduce_amax: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """y = x Wᵀ + b with all three GEMMs in FP8 -- the hook other linear layers (e.g.
     tensor-parallel ones, on their weight shard) call instead of `F.linear`.
 
-    `states` maps each role to its `DelayedState` (delayed scaling only).
+    `states` maps each role to its `DelayedState` (delayed scaling only). `reduce_amax` maps
+    the roles whose tensor here is a shard of a larger one (tensor parallelism: weight and
+    grad_output of a column-parallel layer, input and weight of a row-parallel one) to a
+    callback returning the max of an amax over all shards; per-tensor recipes (delayed,
+    current) then use the whole tensor's scale on every shard. Blockwise and MXFP8 scales are
+    local to their blocks and need no reduction when shards are whole blocks (the caller
+    checks); rowwise scales of a tensor sharded along K are not supported.
     """
     states = states or dict.fromkeys(ROLES)
+    reduce_amax = {role: (reduce_amax or {}).get(role) for role in ROLES}
     if isinstance(recipe, DelayedScaling) and any(states[r] is None for r in ROLES):
         raise ValueError(
             "delayed scaling needs amax-history state for input, weight and grad_output; "
@@ -159,7 +171,7 @@ def fp8_linear(
             f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
             f"expects {weight.shape[-1]}"
         )
-    plan = _Plan(recipe, states, fp8_activation, _out_dtype(x))
+    plan = _Plan(recipe, states, fp8_activation, _out_dtype(x), reduce_amax)
     return _Fp8LinearFn.apply(x, weight, bias, plan)
 
 
@@ -206,6 +218,9 @@ class _Fp8State:
         for key in (f"{prefix}fp8_amax_history", f"{prefix}fp8_scale"):
             if key in missing:
                 missing.remove(key)
+
+
+Fp8State = _Fp8State  # the mixin other FP8-capable layers (tensor-parallel linears) inherit
 
 
 class Fp8Linear(_Fp8State, nn.Linear):

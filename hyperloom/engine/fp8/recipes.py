@@ -56,6 +56,7 @@ under tensor parallelism, whose per-tensor amax must be reduced over the shards 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -200,10 +201,19 @@ class DelayedState:
 
 
 def quantize_for(
-    x: torch.Tensor, recipe: Recipe, role: str, state: DelayedState | None = None
+    x: torch.Tensor,
+    recipe: Recipe,
+    role: str,
+    state: DelayedState | None = None,
+    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Fp8Tensor:
     """Quantize a 2-D (rows, K) operand for `role` ("input", "weight", "grad_output") with
-    `recipe`; K, the last dimension, is the GEMM's contraction dimension."""
+    `recipe`; K, the last dimension, is the GEMM's contraction dimension.
+
+    `reduce_amax` (per-tensor recipes only): x is one shard of a larger tensor, and this
+    callback returns the maximum of an amax over all shards (e.g. an all-reduce MAX over a
+    tensor-parallel group), so every shard gets the whole tensor's scale -- and delayed
+    scaling records the whole tensor's amax, keeping histories identical across shards."""
     fmt = format_for(recipe.fp8_format, role)
     rows, cols = x.shape
     if isinstance(recipe, DelayedScaling):
@@ -211,11 +221,22 @@ def quantize_for(
             raise ValueError("delayed scaling needs the tensor's DelayedState (amax history)")
         scale = state.update_scale(recipe, fmt.max)
         q = quantize_blocks(x, (rows, cols), fmt, scale.view(1, 1))
-        state.record(x.detach().abs().amax().float())
+        amax = x.detach().abs().amax().float()
+        state.record(reduce_amax(amax) if reduce_amax is not None else amax)
         return q
-    if isinstance(recipe, CurrentScaling):  # and RowwiseScaling, its subclass
-        block = (1, cols) if isinstance(recipe, RowwiseScaling) else (rows, cols)
-        return quantize_current(x, block, fmt, recipe.amax_epsilon, recipe.power_2_scale)
+    if isinstance(recipe, RowwiseScaling):
+        if reduce_amax is not None:
+            raise ValueError(
+                "rowwise scaling of a sharded tensor is not supported: per-row scales span "
+                "the contraction dimension, which tensor parallelism shards"
+            )
+        return quantize_current(x, (1, cols), fmt, recipe.amax_epsilon, recipe.power_2_scale)
+    if isinstance(recipe, CurrentScaling):
+        amax = x.detach().abs().amax().float().view(1, 1)
+        if reduce_amax is not None:
+            amax = reduce_amax(amax)
+        scale = scale_from_amax(amax, fmt.max, recipe.amax_epsilon, recipe.power_2_scale)
+        return quantize_blocks(x, (rows, cols), fmt, scale)
     if isinstance(recipe, BlockwiseScaling):
         b = recipe.block
         block = (b, b) if role == "weight" else (1, b)

@@ -1,0 +1,99 @@
+"""torchrun worker: FP8 training with tensor parallelism against one process, in one launch.
+
+Usage: torchrun --nproc-per-node 2 fp8_tp_worker.py OUT.json CASE [CASE ...], each CASE
+`recipe:sp` (e.g. `blockwise:1`). For each case every rank builds the tp = 2 model with
+`parallelize` (FP8 linears converted, then made tensor-parallel) and, on the side, the whole
+FP8 model on one device with the same seed; both take STEPS SGD steps (FP32 master weights,
+gradients clipped to 1) on the same batches. SGD, not Adam: Adam's first updates are about
+lr * sign(g), so gradient elements at round-off level would move weights by lr either way and
+later FP8 scales would differ for reasons unrelated to FP8. Rank 0 writes, per case, the
+relative loss differences per step, the worst relative difference of the first step's
+gradients (gathered over tp) and, for delayed scaling, whether the amax histories are bitwise
+equal across ranks and their worst relative difference from the single process's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from pipeline_worker import run_cases  # torchrun puts this directory on sys.path
+
+from hyperloom.config import config_from_dict
+from hyperloom.engine.fp8 import convert_to_fp8, fp8_state_dict, recipe_from_name, reset_fp8_state
+from hyperloom.engine.fp8.convert import fp8_modules
+from hyperloom.models.registry import build_model
+from hyperloom.parallel import build_mesh, parallelize
+from hyperloom.parallel.state import _full
+
+# Every tensor-parallel shard a whole number of 128-wide blocks (blockwise needs it).
+MODEL = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=128)
+SEQ, MBS, STEPS, LR = 16, 2, int(os.environ.get("FP8_TP_STEPS", 3)), 0.5
+
+
+def run_case(case: str, acc) -> dict:
+    recipe, sp = case.split(":")[0], bool(int(case.split(":")[1]))
+    raw = {
+        "model": {**MODEL, "max_seq_len": SEQ},
+        "parallel": {"tp": 2, "sp": sp},
+        "precision": {"dtype": "fp32", "fp8": recipe},
+        "train": {"micro_batch_size": MBS, "device": "cpu", "lr": 1e-2, "weight_decay": 0.1},
+        "data": {"seq_len": SEQ},
+    }
+    cfg = config_from_dict(raw, world_size=2)
+    mesh = build_mesh(cfg.parallel, acc)
+    pm = parallelize(cfg, mesh, acc.device)
+    opt = torch.optim.SGD(pm.inner.parameters(), lr=LR)
+
+    ref = build_model(cfg.model)
+    convert_to_fp8(ref, recipe_from_name(recipe), keep=cfg.precision.fp8_keep)
+    ref.to_empty(device=acc.device)
+    ref.init_weights(cfg.train.seed)
+    reset_fp8_state(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+
+    gen = torch.Generator().manual_seed(1234)
+    fp8_tp = [n for n, m in fp8_modules(pm.inner) if hasattr(m, "sharded_roles")]
+    out = {"case": case, "fp8_tp_layers": len(fp8_tp), "loss": [], "abs_loss": []}
+    for step in range(STEPS):
+        tokens = torch.randint(0, MODEL["vocab_size"], (MBS, SEQ + 1), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        ref_loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        loss = pm.loss(pm.module(x), y)
+        loss.backward()
+        pm.finish_grads()
+        if step == 0:
+            ref_grads, worst = dict(ref.named_parameters()), torch.zeros(())
+            for name, p in pm.inner.named_parameters():
+                g = _full(p.grad, getattr(p, "shard_spec", None), pm.tp_group)
+                r = ref_grads[name].grad
+                worst = torch.maximum(worst, (g - r).norm() / r.norm())
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            out["grad"] = worst.item()
+        pm.clip_grad_norm(1.0)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        diff = abs(loss.item() - ref_loss.item())
+        out["loss"].append(diff / abs(ref_loss.item()))
+        out["abs_loss"].append(ref_loss.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    if recipe == "delayed":
+        mine, theirs = fp8_state_dict(pm.inner), fp8_state_dict(ref)
+        assert mine and set(mine) == set(theirs), (sorted(mine)[:4], sorted(theirs)[:4])
+        flat = torch.cat([v.reshape(-1) for _, v in sorted(mine.items())])
+        parts = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(parts, flat, group=mesh.group("tp"))
+        out["history_equal_across_ranks"] = bool(torch.equal(parts[0], parts[1]))
+        worst = 0.0
+        for key, value in mine.items():
+            r = theirs[key]
+            worst = max(worst, ((value - r).abs().max() / r.abs().max().clamp(min=1e-30)).item())
+        out["history_vs_single"] = worst
+    return out
+
+
+if __name__ == "__main__":
+    run_cases(run_case)

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from hyperloom.accelerator import AcceleratorError
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
+from hyperloom.models.convert import add_convert_parser
 from hyperloom.pipeline.cli import add_schedule_parser
 from hyperloom.planner.cli import add_plan_parser
 from hyperloom.resilience.drill import add_drill_parser
@@ -31,12 +32,21 @@ USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, AcceleratorError)
 def _user_errors() -> tuple[type[Exception], ...]:
     # Imported lazily so `hyperloom config show` does not pay for torch-heavy modules.
     from hyperloom.data import DataError
+    from hyperloom.models.convert import ConvertError
     from hyperloom.pipeline import ScheduleError
     from hyperloom.planner import PlanError
     from hyperloom.resilience.policy import TrainingHalted
     from hyperloom.train.checkpoint import CheckpointError
 
-    return (*USER_ERRORS, DataError, CheckpointError, ScheduleError, PlanError, TrainingHalted)
+    return (
+        *USER_ERRORS,
+        DataError,
+        CheckpointError,
+        ScheduleError,
+        PlanError,
+        TrainingHalted,
+        ConvertError,
+    )
 
 
 def _rank() -> int:
@@ -302,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
 
+    add_convert_parser(sub)
     p = sub.add_parser("model", help="model registry")
     msub = p.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     q = msub.add_parser("info", help="exact parameter count and training FLOPs per token")

@@ -104,3 +104,28 @@ def hf_config(cfg: ModelConfig) -> Any:
         kwargs["rope_theta"] = cfg.rope_theta
         kwargs["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     return LlamaConfig(**kwargs)
+
+
+def config_from_hf(hf: Any) -> dict[str, Any]:
+    """Model-section values (family llama) from a `LlamaConfig`-like object."""
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    scaled = rope.get("rope_type", rope.get("type", "default")) == "llama3"
+    heads = hf.num_attention_heads
+    return {
+        "family": "llama",
+        "vocab_size": hf.vocab_size,
+        "dim": hf.hidden_size,
+        "n_layers": hf.num_hidden_layers,
+        "n_heads": heads,
+        "n_kv_heads": getattr(hf, "num_key_value_heads", None) or heads,
+        "ffn_dim": hf.intermediate_size,
+        "norm_eps": hf.rms_norm_eps,
+        "rope_theta": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+        "rope_scaling": float(rope.get("factor", 1.0)) if scaled else 1.0,
+        "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+        "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+        "rope_original_max_seq": int(rope.get("original_max_position_embeddings", 8192)),
+        "max_seq_len": hf.max_position_embeddings,
+        "tie_embeddings": bool(hf.tie_word_embeddings),
+        "init_std": hf.initializer_range,
+    }

@@ -1,0 +1,83 @@
+"""`hyperloom convert`: export to the Hugging Face format and import back, for both families."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hyperloom.config import JobConfig, dumps_toml
+from hyperloom.models.convert import ConvertError, export_hf, import_hf
+from hyperloom.models.registry import init_model, preset_config
+from hyperloom.train import checkpoint as ckpt
+
+LLAMA = dict(
+    vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
+)
+DEEPSEEK = dict(
+    vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=4, ffn_dim=96, n_routed_experts=8,
+    moe_top_k=3, moe_ffn_dim=32, moe_n_groups=4, moe_topk_groups=2, moe_route_scale=2.5,
+    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    max_seq_len=64, mtp_depth=0,
+)  # fmt: skip
+
+
+def _checkpoint(run_dir, model_cfg):
+    model = init_model(model_cfg, "cpu", seed=5)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    job = JobConfig()
+    job = dataclasses.replace(job, model=model_cfg, data=dataclasses.replace(job.data, seq_len=32))
+    ckpt.save_checkpoint(run_dir, 1, state, {"step": 1}, {"config.toml": dumps_toml(job)}, {}, 1)
+    return model, state
+
+
+@pytest.mark.parametrize(
+    "base,values",
+    [
+        ("tiny", LLAMA),
+        ("tiny", {**LLAMA, "tie_embeddings": True}),
+        ("tiny", {**LLAMA, "rope_scaling": 8.0, "rope_original_max_seq": 16}),
+        ("moe-tiny", DEEPSEEK),
+    ],
+    ids=["llama", "llama-tied", "llama-rope-scaled", "deepseek"],
+)
+def test_export_then_import_is_exact(tmp_path, base, values):
+    cfg = dataclasses.replace(preset_config(base), **values)
+    _, state = _checkpoint(tmp_path / "run", cfg)
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == cfg.vocab_size
+    back = import_hf(out, tmp_path / "back")
+    again = load_file(str(back / "model.safetensors"))
+    assert sorted(again) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(again[name], tensor), name
+    imported = ckpt.verify_checkpoint(back)
+    assert imported is not None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_exported_llama_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    from transformers import AutoModelForCausalLM
+
+    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA, tie_embeddings=tied)
+    model, _ = _checkpoint(tmp_path / "run", cfg)
+    hf = AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "run", tmp_path / "hf")))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_import_names_what_is_wrong(tmp_path, cli):
+    with pytest.raises(ConvertError, match="no config.json"):
+        import_hf(tmp_path, tmp_path / "out")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConvertError, match="model_type 'gpt2' is not supported"):
+        import_hf(tmp_path, tmp_path / "out")
+    result = cli("convert", "import", str(tmp_path), str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "not supported" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing half-written

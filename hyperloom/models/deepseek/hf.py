@@ -216,16 +216,14 @@ def hf_config(cfg: ModelConfig) -> Any:
 
 def config_from_hf(hf: Any) -> dict[str, Any]:
     """Model-section values (family deepseek) from a `DeepseekV3Config`-like object."""
-    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    scaled = rope.get("rope_type", rope.get("type", "default")) == "yarn"
+    from hyperloom.models.llama.hf import hf_rope_and_common
+
+    rope, common = hf_rope_and_common(hf, "yarn", 4096)
     return {
         "family": "deepseek",
-        "vocab_size": hf.vocab_size,
-        "dim": hf.hidden_size,
-        "n_layers": hf.num_hidden_layers,
+        **common,
         "n_heads": hf.num_attention_heads,
         "n_kv_heads": hf.num_attention_heads,
-        "ffn_dim": hf.intermediate_size,
         "n_routed_experts": hf.n_routed_experts or 0,
         "n_shared_experts": hf.n_shared_experts or 0,
         "moe_top_k": hf.num_experts_per_tok or 0,
@@ -241,15 +239,8 @@ def config_from_hf(hf: Any) -> dict[str, Any]:
         "qk_nope_head_dim": hf.qk_nope_head_dim,
         "qk_rope_head_dim": hf.qk_rope_head_dim,
         "v_head_dim": hf.v_head_dim,
-        "norm_eps": hf.rms_norm_eps,
-        "rope_theta": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
-        "rope_scaling": float(rope.get("factor", 1.0)) if scaled else 1.0,
-        "rope_original_max_seq": int(rope.get("original_max_position_embeddings", 4096)),
         "yarn_beta_fast": float(rope.get("beta_fast", 32.0)),
         "yarn_beta_slow": float(rope.get("beta_slow", 1.0)),
         "yarn_mscale": float(rope.get("mscale_all_dim", 1.0) or 1.0),
-        "max_seq_len": hf.max_position_embeddings,
         "mtp_depth": getattr(hf, "num_nextn_predict_layers", 0) or 0,
-        "tie_embeddings": bool(hf.tie_word_embeddings),
-        "init_std": hf.initializer_range,
     }

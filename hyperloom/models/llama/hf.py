@@ -106,26 +106,35 @@ def hf_config(cfg: ModelConfig) -> Any:
     return LlamaConfig(**kwargs)
 
 
-def config_from_hf(hf: Any) -> dict[str, Any]:
-    """Model-section values (family llama) from a `LlamaConfig`-like object."""
+def hf_rope_and_common(hf: Any, scaled_type: str, original: int) -> tuple[dict, dict[str, Any]]:
+    """The RoPE parameters of a Hugging Face config (transformers 5 `rope_parameters` or 4
+    `rope_scaling`) and the model-section values every family reads the same way."""
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    scaled = rope.get("rope_type", rope.get("type", "default")) == "llama3"
-    heads = hf.num_attention_heads
-    return {
-        "family": "llama",
+    scaled = rope.get("rope_type", rope.get("type", "default")) == scaled_type
+    return rope, {
         "vocab_size": hf.vocab_size,
         "dim": hf.hidden_size,
         "n_layers": hf.num_hidden_layers,
-        "n_heads": heads,
-        "n_kv_heads": getattr(hf, "num_key_value_heads", None) or heads,
         "ffn_dim": hf.intermediate_size,
         "norm_eps": hf.rms_norm_eps,
         "rope_theta": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
         "rope_scaling": float(rope.get("factor", 1.0)) if scaled else 1.0,
-        "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
-        "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
-        "rope_original_max_seq": int(rope.get("original_max_position_embeddings", 8192)),
+        "rope_original_max_seq": int(rope.get("original_max_position_embeddings", original)),
         "max_seq_len": hf.max_position_embeddings,
         "tie_embeddings": bool(hf.tie_word_embeddings),
         "init_std": hf.initializer_range,
+    }
+
+
+def config_from_hf(hf: Any) -> dict[str, Any]:
+    """Model-section values (family llama) from a `LlamaConfig`-like object."""
+    rope, common = hf_rope_and_common(hf, "llama3", 8192)
+    heads = hf.num_attention_heads
+    return {
+        "family": "llama",
+        **common,
+        "n_heads": heads,
+        "n_kv_heads": getattr(hf, "num_key_value_heads", None) or heads,
+        "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+        "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
     }

@@ -384,25 +384,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave(rc: int) -> int:
-    """Finish a torchrun worker without running C++ destructors at interpreter exit.
+    """A torchrun worker leaves through `exit_worker` (see there); otherwise returns rc."""
+    from hyperloom.parallel.mesh import exit_worker
 
-    Tearing down gloo process groups while Python finalises races with their worker
-    threads and occasionally aborts a rank that had finished cleanly ("terminate called
-    without an active exception"), which torchrun reports as a failed job. So a worker
-    that joined a process group meets the others at a barrier (when it succeeded), tears
-    the group down explicitly, flushes its output and leaves through `os._exit`.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return rc
-    if rc == 0:
-        dist.barrier()
-        dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    return exit_worker(rc)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,27 @@ def parse_order(order: str) -> tuple[str, ...]:
             f"parallel.order must name each of {', '.join(DIMS)} exactly once, got {order!r}"
         )
     return names
+
+
+def exit_worker(rc: int) -> int:
+    """Finish a torchrun worker without running C++ destructors at interpreter exit.
+
+    Tearing down gloo process groups while Python finalises races with their worker
+    threads and occasionally aborts a rank that had finished cleanly ("terminate called
+    without an active exception"), which torchrun reports as a failed job. So a worker
+    that joined a process group meets the others at a barrier (when it succeeded), tears
+    the group down explicitly, flushes its output and leaves through `os._exit`. Without a
+    process group it returns `rc`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return rc
+    if rc == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def init_distributed(acc: Accelerator) -> bool:

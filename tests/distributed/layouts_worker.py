@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hyperloom.config import load_config
+from hyperloom.parallel.mesh import exit_worker
 from hyperloom.train.trainer import Trainer
 
 
@@ -43,9 +44,7 @@ def main() -> None:
             sys.stderr.flush()
             os._exit(1)  # torchrun stops the ranks that wait for this one
         dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker(0)
 
 
 if __name__ == "__main__":

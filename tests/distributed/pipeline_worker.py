@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import config_from_dict
 from hyperloom.models.registry import build_model
-from hyperloom.parallel.mesh import build_mesh, init_distributed
+from hyperloom.parallel.mesh import build_mesh, exit_worker, init_distributed
 from hyperloom.parallel.state import _full
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.train.optim import build_optimizer
@@ -132,10 +132,7 @@ def run_cases(run_case) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker(0)
 
 
 if __name__ == "__main__":

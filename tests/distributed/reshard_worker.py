@@ -9,7 +9,6 @@ tensor came back bitwise equal, and the names of those that did not.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel.mesh import exit_worker
 from hyperloom.parallel.state import (
     full_model_state,
     full_optimizer_state,
@@ -83,10 +83,7 @@ def main() -> None:
         }
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker(0)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,13 @@ from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
 from hyperloom.models.deepseek.mla import MLA, MLACache, yarn_inv_freq
 from hyperloom.models.deepseek.moe import MoE
-from hyperloom.models.llama.model import FeedForward, Llama, RMSNorm, param_generator
+from hyperloom.models.llama.model import (
+    FeedForward,
+    Llama,
+    RMSNorm,
+    param_generator,
+    stage_input,
+)
 
 # Output projections into the residual stream: their init std is scaled by 1/sqrt(2 L).
 _OUT_PROJ = ("wo.weight", "w2.weight", "w2", "eh_proj.weight")
@@ -151,16 +157,7 @@ class DeepSeekV3(nn.Module):
     ) -> torch.Tensor:
         """Logits (b, s, vocab); given labels (b, s), the mean loss (float32), in training
         plus the MTP and auxiliary balance losses."""
-        if tokens.is_floating_point():
-            h = tokens  # (b, s, dim): the hidden state of a previous pipeline stage
-        else:
-            seq = tokens.shape[1]
-            if start_pos + seq > self.cfg.max_seq_len:
-                raise ValueError(
-                    f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
-                    f"({self.cfg.max_seq_len})"
-                )
-            h = self.tok_embeddings(tokens)  # (b, s, dim)
+        h = stage_input(self, tokens, start_pos)  # (b, s, dim)
         if self.training:  # only this forward's auxiliary losses may reach the loss
             for m in self.moe_layers().values():
                 m.aux_loss = None

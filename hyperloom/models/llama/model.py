@@ -247,18 +247,7 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (b, s, vocab); or, given labels (b, s), the mean cross-entropy (float32)."""
-        # Token ids are embedded; a floating-point input is the hidden state a previous
-        # pipeline stage produced (a tied last stage holds the embedding only as its head).
-        if tokens.is_floating_point():
-            h = tokens  # (b, s, dim), or (b, s / tp, dim) under sequence parallelism
-        else:
-            seq = tokens.shape[1]
-            if start_pos + seq > self.cfg.max_seq_len:
-                raise ValueError(
-                    f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
-                    f"({self.cfg.max_seq_len})"
-                )
-            h = self.tok_embeddings(tokens)  # (b, s, dim)
+        h = stage_input(self, tokens, start_pos)  # (b, s, dim)
         # From start_pos on; attention cuts them to its (whole, gathered) sequence length.
         cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (max - start, d)
         for layer in self.layers.values():
@@ -281,6 +270,22 @@ class Llama(nn.Module):
         return ops.linear_cross_entropy(
             h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
         )
+
+
+def stage_input(model: nn.Module, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Token ids (b, s) -> embeddings (b, s, dim), checking the positions against
+    model.max_seq_len. A floating-point input is the hidden state a previous pipeline stage
+    produced and passes through, (b, s, dim) or (b, s / tp, dim) under sequence parallelism
+    (a tied last stage holds the embedding only as its head)."""
+    if tokens.is_floating_point():
+        return tokens
+    seq = tokens.shape[1]
+    if start_pos + seq > model.cfg.max_seq_len:
+        raise ValueError(
+            f"positions {start_pos}..{start_pos + seq - 1} exceed model.max_seq_len "
+            f"({model.cfg.max_seq_len})"
+        )
+    return model.tok_embeddings(tokens)
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

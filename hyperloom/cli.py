@@ -163,10 +163,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hyperloom.inference import complete, load_for_inference
 
     loaded = load_for_inference(args.checkpoint, device=args.device)
+    if args.speculative and loaded.cfg.model.mtp_depth == 0:
+        from hyperloom.train.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"--speculative drafts with the model's MTP modules, and {loaded.checkpoint} has "
+            f"none (model.mtp_depth = 0)"
+        )
     text, stats = complete(
         loaded,
         args.prompt,
         args.max_new_tokens,
+        speculative=args.speculative,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -183,6 +191,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "KV cache" if not args.no_cache else "no cache",
         loaded.checkpoint,
     )
+    if args.speculative:
+        logging.getLogger("hyperloom.generate").info(
+            "speculative (MTP depth %d): acceptance rate %.3f (%d of %d drafted tokens), "
+            "%.2f tokens per main-model forward (%d forwards)",
+            loaded.cfg.model.mtp_depth,
+            stats["acceptance_rate"],
+            stats["accepted"],
+            stats["drafted"],
+            stats["tokens_per_forward"],
+            stats["forwards"],
+        )
     return 0
 
 
@@ -309,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="draft with the model's MTP modules, verify with the model (DeepSeek, mtp_depth > 0)",
+    )
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
 

@@ -55,6 +55,16 @@ def sample_next(
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def decode_length(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> int:
+    """Length of prompt + continuation, capped at model.max_seq_len; rejects unusable prompts."""
+    if not prompt:
+        raise ValueError("the prompt encodes to zero tokens; give at least one character")
+    limit = model.cfg.max_seq_len
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's limit is {limit}")
+    return min(limit, len(prompt) + max_new_tokens)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -71,15 +81,10 @@ def generate(
     dtype: torch.dtype = torch.float32,
 ) -> list[int]:
     """Continue `prompt`; stops at `max_new_tokens`, at `eos_id`, or at model.max_seq_len."""
-    if not prompt:
-        raise ValueError("the prompt encodes to zero tokens; give at least one character")
     acc = acc or Accelerator("cpu")
-    limit = model.cfg.max_seq_len
-    if len(prompt) >= limit:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's limit is {limit}")
+    total = decode_length(model, prompt, max_new_tokens)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    total = min(limit, len(prompt) + max_new_tokens)
     tokens = list(prompt)
     # A family with its own cache layout (DeepSeek's compressed MLA cache) allocates it.
     allocate = getattr(model, "allocate_cache", None)
@@ -140,24 +145,28 @@ def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedM
 
 
 def complete(
-    loaded: LoadedModel, prompt: str, max_new_tokens: int, **kwargs
+    loaded: LoadedModel, prompt: str, max_new_tokens: int, speculative: bool = False, **kwargs
 ) -> tuple[str, dict[str, float]]:
-    """Generate text for `prompt`; returns (continuation, stats)."""
+    """Generate text for `prompt`; returns (continuation, stats). `speculative` drafts with the
+    model's MTP modules (`hyperloom.models.deepseek.speculative`) and adds what it counted."""
     ids = loaded.tokenizer.encode(prompt)
-    start = time.perf_counter()
-    out = generate(
-        loaded.model,
-        ids,
-        max_new_tokens,
-        eos_id=loaded.tokenizer.eos_id,
-        acc=loaded.acc,
-        dtype=DTYPES[loaded.cfg.precision.dtype],
-        **kwargs,
+    kwargs.update(
+        eos_id=loaded.tokenizer.eos_id, acc=loaded.acc, dtype=DTYPES[loaded.cfg.precision.dtype]
     )
+    start = time.perf_counter()
+    extra: dict[str, float] = {}
+    if speculative:
+        from hyperloom.models.deepseek import speculative as spec
+
+        out, counts = spec.generate(loaded.model, ids, max_new_tokens, **kwargs)
+        extra = counts.as_dict()
+    else:
+        out = generate(loaded.model, ids, max_new_tokens, **kwargs)
     seconds = time.perf_counter() - start
     return loaded.tokenizer.decode(out), {
         "prompt_tokens": len(ids),
         "new_tokens": len(out),
         "seconds": seconds,
         "tokens_per_s": len(out) / seconds if seconds > 0 else 0.0,
+        **extra,
     }

@@ -45,7 +45,8 @@ _FIXABLE = {
     "schedule": str,
     "recompute": str,
     "fp8": "bool",
-    "ep": int,  # only ep=1: expert parallelism is not costed yet
+    "ep": int,
+    "dispatcher": str,  # EP token dispatch: alltoall or allgather
 }
 
 
@@ -98,6 +99,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="CONFIG mode: none, selective, full or core_attn,mlp_act,norm",
     )
     p.add_argument("--fp8", action="store_true", help="CONFIG mode: FP8 GEMMs")
+    p.add_argument(
+        "--dispatcher",
+        choices=["alltoall", "allgather"],
+        default=None,
+        help="CONFIG mode: expert-parallel token dispatch (default alltoall)",
+    )
     p.add_argument("--search", action="store_true", help="CONFIG mode: search instead")
     p.add_argument("--json", metavar="FILE", help="write the plans as JSON")
     p.add_argument("--png-prefix", metavar="PREFIX", help="write memory/timeline/top-k PNGs")
@@ -125,10 +132,6 @@ def parse_fix(text: str) -> dict[str, Any]:
                     vals.append(kind(v.strip()))
             except ValueError:
                 raise PlanError(f"--fix {key}: {v!r} is not a {kind.__name__}") from None
-        if key == "ep":
-            if set(vals) != {1}:
-                raise PlanError(f"--fix ep={value}: expert parallelism is not costed yet; ep=1")
-            continue
         out[key] = tuple(vals)
     return out
 
@@ -211,6 +214,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
         spec = ModelSpec.from_model_config(job.model)
         s = job_strategy(job, args.schedule, args.vpp, args.recompute, True if args.fp8 else None)
+        if args.dispatcher:
+            s = dataclasses.replace(s, dispatcher=args.dispatcher)
         seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
     else:
         if not args.model:

@@ -22,8 +22,21 @@ NICs, and the NICs of a node are shared by every group of that dimension that ru
 same moment: with ``r`` members of the group on each node, ``gpus/node / r`` groups share the
 node's ``gpus/node`` NICs, so each group's ring gets ``r`` NICs' worth of bandwidth (SimuMax
 divides inter-node DP bandwidth by min(8, tp*cp), which is the same rule). Pipeline
-point-to-point across nodes gets one NIC. An all-to-all over k nodes (expert parallelism)
-sends (k-1)/k of its bytes through the NICs.
+point-to-point across nodes gets one NIC.
+
+Expert parallelism's all-to-all (`AllToAll`, built by `all_to_all_cost`). S is the per-rank
+send buffer (the routed copies of the rank's tokens); with balanced routing a share 1/n of it
+stays on the rank. Within a node it is the ring form above, ``(n-1) alpha + (n-1)/n S/B``.
+Across k nodes with r = n/k group members per node, the (k-1)/k of S bound for other nodes
+leaves through the rank's own NIC while the on-node share ``S/k * (r-1)/r`` crosses the
+scale-up fabric; the two run at once, so the time is the larger one plus ``(n-1)`` inter-node
+latencies. Group-limited routing changes what crosses the network only when the dispatcher
+sends a token once per destination node (DeepSeek-V3 §3.2.2, DeepEP; ``dedup``): a token
+routed to at most M of the k nodes then sends ``M (k-1)/k`` copies over the network instead of
+``top_k (k-1)/k`` (or, without a node limit, the expected number of distinct remote nodes
+among top_k uniformly chosen), and the scale-up fabric forwards every copy inside the
+destination node. A plain all-to-all with variable splits (hyperloom, Megatron's alltoall
+dispatcher) sends every copy, whatever the node limit.
 """
 
 from __future__ import annotations
@@ -103,21 +116,82 @@ def p2p_link(cluster: Cluster, size: int, stride: int) -> Link:
     return Link(acc.nic_gbs * 1e9 * acc.inter_eff, acc.inter_latency_us * 1e-6, level="inter")
 
 
-def all_to_all_time(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
-    """All-to-all of a full buffer `nbytes` over `n` ranks (expert dispatch or combine).
+@dataclass(frozen=True)
+class AllToAll:
+    """An all-to-all over one expert-parallel group: ``latency + per_byte * S`` seconds for a
+    per-rank send buffer of S bytes (see the module docstring)."""
 
-    Within a node it is the ring form on the scale-up fabric. Across k nodes the (k-1)/k of
-    the bytes bound for other nodes leave through each rank's own NIC (REFERENCE.md §4.4).
-    """
-    if n <= 1 or nbytes <= 0:
+    n: int = 1
+    latency: float = 0.0
+    per_byte: float = 0.0
+    level: str = "local"
+    nodes: int = 1
+
+    def time(self, nbytes: float) -> float:
+        if self.n <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + self.per_byte * nbytes
+
+
+def network_copies(top_k: int, nodes: int, node_limit: int | None = None) -> float:
+    """Copies of one token that cross the network when the dispatcher sends one per remote
+    destination node: ``M (k-1)/k`` with a node limit M, else the expected distinct remote
+    nodes among `top_k` uniformly chosen experts on `nodes` nodes."""
+    if nodes <= 1:
         return 0.0
+    if node_limit is not None and node_limit < nodes:
+        return min(node_limit, top_k) * (nodes - 1) / nodes
+    return (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** top_k)
+
+
+def node_limit(nodes: int, n_groups: int, topk_groups: int) -> int | None:
+    """Nodes a token can reach under group-limited routing when the expert groups line up with
+    the nodes of the expert-parallel group (experts are placed in order, E/ep per rank), or
+    None: one group per node (DeepSeek-V3: 8 groups on 8 nodes, 4 kept) limits a token to
+    `topk_groups` nodes; g groups per node or a group over g nodes scale that."""
+    if n_groups <= 1 or topk_groups >= n_groups:
+        return None
+    if n_groups % nodes == 0:  # whole groups on each node: the kept groups' nodes at most
+        return min(nodes, topk_groups)
+    if nodes % n_groups == 0:  # each group spans nodes / n_groups nodes
+        return min(nodes, topk_groups * nodes // n_groups)
+    return None
+
+
+def all_to_all_cost(
+    cluster: Cluster,
+    n: int,
+    stride: int = 1,
+    top_k: int = 1,
+    groups: tuple[int, int] = (1, 1),
+    dedup: bool = False,
+) -> AllToAll:
+    """The all-to-all of an expert-parallel group of `n` ranks spaced `stride` apart; with
+    `dedup`, a token's `top_k` copies cross the network once per destination node, and
+    group-limited routing (`groups` = (n_groups, topk_groups)) bounds those nodes (module
+    docstring)."""
+    if n <= 1:
+        return AllToAll()
     link = group_link(cluster, n, stride)
     if link.level != "inter":
-        return collective_time("all_to_all", n, nbytes, link)
-    acc = cluster.accel
-    k = max(2, (n * stride) // cluster.gpus_per_node)
+        beta = (n - 1) / n / link.bandwidth
+        return AllToAll(n, (n - 1) * link.latency + link.fixed, beta, link.level)
+    acc, g = cluster.accel, cluster.gpus_per_node
+    k = max(2, (n * stride) // g)  # nodes the group spans
+    r = max(1, n // k)  # members per node
     nic = acc.nic_gbs * 1e9 * acc.inter_eff
-    intra_part = collective_time(
-        "all_to_all", n, nbytes / k, group_link(cluster, max(1, n // k), stride)
-    )
-    return intra_part + (k - 1) / k * nbytes / nic + (n - 1) * acc.inter_latency_us * 1e-6
+    fabric = acc.intra_gbs * 1e9 * acc.intra_eff
+    off_node = (k - 1) / k
+    if dedup:
+        limit = node_limit(k, *groups)
+        off_node *= network_copies(top_k, k, limit) / (top_k * (k - 1) / k)
+        on_node = (r - 1) / r  # forwarded inside the destination node: every copy
+    else:
+        on_node = (r - 1) / r / k
+    per_byte = max(off_node / nic, on_node / fabric)
+    return AllToAll(n, (n - 1) * acc.inter_latency_us * 1e-6, per_byte, "inter", k)
+
+
+def all_to_all_time(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
+    """A plain all-to-all of a per-rank send buffer of `nbytes` over `n` ranks."""
+    return all_to_all_cost(cluster, n, stride).time(nbytes)

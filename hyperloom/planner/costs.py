@@ -23,18 +23,40 @@ Communication, per layer and micro-batch (`collectives.py` for the link and the 
   reduce-scattered backward, hidden behind the attention core (``cp_overlap``).
 - ZeRO-3: each layer's parameters all-gathered (BF16) forward and backward, per micro-batch,
   hidden behind that layer's compute (``fsdp_overlap``).
+- expert parallel (ep > 1, MoE layers): per layer and micro-batch two all-to-alls forward
+  (dispatch, combine) and two backward, each moving the rank's routed copies, tokens x top_k
+  x dim BF16 elements (`model.Layer.dispatch_bytes`), times `moe_imbalance` (the busiest
+  receiver sets the pace), on the expert-parallel group's link (`collectives.all_to_all_cost`:
+  inside a node, or across nodes through each rank's NIC); the runtime may send the dispatch
+  in FP8 (`Runtime.fp8_dispatch`). The all-gather dispatcher instead all-gathers the tokens
+  over ep and reduce-scatters the outputs, each way. With tp > 1 each tensor-parallel rank
+  dispatches its 1/tp share and the expert's tp group all-gathers and reduce-scatters the
+  routed rows around the expert GEMMs. Neither built-in runtime overlaps any of it
+  (``ep_overlap`` 0); under DualPipe `fb_overlap` hides ``dualpipe_ep_overlap`` of it inside
+  the overlapped forward-and-backward pairs.
 
 Per step, after each rank's last backward (`dp_sync`): the gradient all-reduce (zero 0) or
 reduce-scatter plus parameter all-gather (zero 1) or the FSDP reduce-scatter (zero 3), minus
 what the runtime overlaps with the last backward / next forward (the last bucket is always
-exposed); then the optimizer, Adam as memory traffic over the rank's (sharded) state.
+exposed); then the optimizer, Adam as memory traffic over the rank's (sharded) state. With
+ep > 1 a rank holds 1/ep of the routed experts, and their gradients go over the
+expert-data-parallel group (dp * cp / ep ranks, on its own link) after the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from hyperloom.planner.collectives import Link, collective_time, group_link, p2p_link, strides
+from hyperloom.planner.collectives import (
+    AllToAll,
+    Link,
+    all_to_all_cost,
+    collective_time,
+    group_link,
+    p2p_link,
+    strides,
+)
 from hyperloom.planner.hardware import Accelerator, Cluster
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
 from hyperloom.planner.strategy import Runtime, Strategy
@@ -46,15 +68,39 @@ class Links:
     cp: Link
     dp: Link
     pp: Link
+    ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
+    edp: Link | None = None  # the expert-data-parallel group (expert gradients)
+    a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
 
 
-def links_for(cluster: Cluster, s: Strategy) -> Links:
+def expert_strides(s: Strategy, st: dict[str, int]) -> tuple[int, int]:
+    """(ep stride, edp stride): ep folds over dp x cp (`parallel/mesh.py`), so an expert
+    group is `ep` consecutive ranks of that folded dimension, innermost first, and the
+    expert-data-parallel group steps over whole expert groups."""
+    inner = sorted(st[d] for d in ("dp", "cp") if getattr(s, d) > 1)
+    stride = inner[0] if inner else 1
+    return stride, stride * s.ep
+
+
+def links_for(cluster: Cluster, s: Strategy, spec: ModelSpec | None = None, dedup=False) -> Links:
     st = strides(s.order, {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp})
-    return Links(
+    links = Links(
         tp=group_link(cluster, s.tp, st["tp"]),
         cp=group_link(cluster, s.cp, st["cp"]),
         dp=group_link(cluster, s.dp, st["dp"]),
         pp=p2p_link(cluster, s.pp, st["pp"]),
+    )
+    if s.ep <= 1:
+        return links
+    ep_stride, edp_stride = expert_strides(s, st)
+    groups, top_k = (1, 1), 1
+    if spec is not None:
+        groups, top_k = (spec.moe_n_groups, spec.moe_topk_groups), max(1, spec.moe_top_k)
+    return dataclasses.replace(
+        links,
+        ep=group_link(cluster, s.ep, ep_stride),
+        edp=group_link(cluster, s.edp, edp_stride),
+        a2a=all_to_all_cost(cluster, s.ep, ep_stride, top_k, groups, dedup),
     )
 
 
@@ -70,6 +116,7 @@ class Phase:
     tp_comm: float = 0.0  # exposed
     cp_comm: float = 0.0
     dp_comm: float = 0.0  # exposed ZeRO-3 gathers
+    ep_comm: float = 0.0  # exposed expert-parallel dispatch/combine (and expert-tp gathers)
 
     def __add__(self, o: Phase) -> Phase:
         return Phase(
@@ -81,6 +128,7 @@ class Phase:
             self.tp_comm + o.tp_comm,
             self.cp_comm + o.cp_comm,
             self.dp_comm + o.dp_comm,
+            self.ep_comm + o.ep_comm,
         )
 
     def scaled(self, k: float) -> Phase:
@@ -93,6 +141,7 @@ class Phase:
             self.tp_comm * k,
             self.cp_comm * k,
             self.dp_comm * k,
+            self.ep_comm * k,
         )
 
     @property
@@ -144,16 +193,25 @@ def layer_phase(
     cp_b = _exposed(2 * cp_gather, attn_b, rt.cp_overlap)
     dp_f = dp_b = 0.0
     if s.zero == 3 and s.dp > 1:
-        gather = collective_time("all_gather", s.dp, 2.0 * spec.layer_params() / t, links.dp)
+        groups = [(spec.layer_params() / t, s.dp, links.dp)]
+        if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
+            expert = spec.layer_expert_params() / t
+            groups = [((spec.layer_params() - expert * t) / t, s.dp, links.dp)]
+            groups.append((expert / s.ep, s.edp, links.edp))
+        gather = sum(collective_time("all_gather", n, 2.0 * p, lk) for p, n, lk in groups)
         dp_f = _exposed(gather, gemm + attn_f, rt.fsdp_overlap)
         dp_b = _exposed(gather, gemm + attn_b, rt.fsdp_overlap)
         if not rt.fsdp_unsharded_accumulation:  # gradients reduce-scattered every micro-batch
-            rs = collective_time(
-                "reduce_scatter", s.dp, rt.grad_reduce_bytes * spec.layer_params() / t, links.dp
+            rs = sum(
+                collective_time("reduce_scatter", n, rt.grad_reduce_bytes * p, lk)
+                for p, n, lk in groups
             )
             dp_b += _exposed(rs, gemm, rt.fsdp_overlap)
+    ep_f, ep_b = expert_parallel_comm(layer, spec, s, links, rt)
+    ep_f = _exposed(ep_f, gemm, rt.ep_overlap)
+    ep_b = _exposed(ep_b, gemm, rt.ep_overlap)
 
-    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f
+    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f + ep_f
     full, mods = parse_recompute(s.recompute)
     if full:
         recompute = f
@@ -162,7 +220,7 @@ def layer_phase(
             acc.memory_time(layer.act_bytes) if "mlp_act" in mods else 0.0
         )
         recompute += acc.memory_time(layer.norm_bytes) if "norm" in mods else 0.0
-    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute
+    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute + ep_b
     w = gemm + tp_w
     return Phase(
         f=f,
@@ -173,7 +231,35 @@ def layer_phase(
         tp_comm=tp_f + tp_b + tp_w,
         cp_comm=cp_f + cp_b,
         dp_comm=dp_f + dp_b,
+        ep_comm=ep_f + ep_b,
     )
+
+
+def expert_parallel_comm(
+    layer: Layer, spec: ModelSpec, s: Strategy, links: Links, rt: Runtime
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the mean layer's expert-parallel communication for one
+    micro-batch, before any overlap (module docstring); 0 at ep = 1."""
+    if s.ep <= 1 or not layer.moe_fraction or not layer.dispatch_bytes:
+        return 0.0, 0.0
+    imb, k = spec.moe_imbalance, max(1, spec.moe_top_k)
+    copies = layer.dispatch_bytes * imb  # what the busiest rank receives per all-to-all
+    if s.dispatcher == "allgather":
+        full = s.ep * layer.dispatch_bytes / k  # every rank's tokens, once each
+        one = collective_time("all_gather", s.ep, full, links.ep) + collective_time(
+            "reduce_scatter", s.ep, full, links.ep
+        )
+        fwd = bwd = one
+    else:
+        dispatch = copies / 2 if (s.fp8 and rt.fp8_dispatch) else copies
+        fwd = links.a2a.time(dispatch) + links.a2a.time(copies)
+        bwd = 2 * links.a2a.time(copies)
+    if s.tp > 1:  # the expert's tp group gathers the routed rows, scatters the outputs
+        rows = s.tp * copies
+        etp = collective_time("all_gather", s.tp, rows, links.tp)
+        etp += collective_time("reduce_scatter", s.tp, rows, links.tp)
+        fwd, bwd = fwd + etp, bwd + etp
+    return layer.moe_fraction * fwd, layer.moe_fraction * bwd
 
 
 def embedding_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, links: Links):
@@ -244,6 +330,26 @@ def assign_layers(n_layers: int, rank_chunks: tuple[tuple[int, ...], ...]) -> li
     return counts
 
 
+def chunk_expert_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
+    """Routed-expert parameters per model chunk on one tp rank, before the ep split (the
+    MTP module's experts on the last chunk)."""
+    out = [n * spec.layer_expert_params() / tp for n in layers]
+    out[-1] += spec.mtp_expert_params() / tp
+    return out
+
+
+def local_params(
+    spec: ModelSpec, tp: int, ep: int, layers: list[int]
+) -> tuple[list[float], list[float]]:
+    """(parameters, of which routed experts) per model chunk on one rank: the tp split of
+    `chunk_params` with 1/ep of the experts (at ep = 1: `chunk_params` and zeros)."""
+    total = chunk_params(spec, tp, layers)
+    if ep <= 1:
+        return total, [0.0] * len(layers)
+    experts = chunk_expert_params(spec, tp, layers)
+    return [p - e + e / ep for p, e in zip(total, experts, strict=True)], [e / ep for e in experts]
+
+
 def chunk_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
     """Parameters per model chunk on one tp rank (embedding on the first, head on the last)."""
     out = []
@@ -268,37 +374,57 @@ class StepExtras:
 
 
 def dp_sync(
-    params: float, f_window: float, b_window: float, s: Strategy, links: Links, rt: Runtime
+    params: float,
+    f_window: float,
+    b_window: float,
+    s: Strategy,
+    links: Links,
+    rt: Runtime,
+    expert: float = 0.0,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of the step's data-parallel gradient/parameter traffic for a
-    rank holding `params`; `b_window`/`f_window` are its last backward / first forward."""
-    if s.dp <= 1:
+    rank holding `params`, of which `expert` are its local routed experts (reduced over the
+    expert-data-parallel group when ep > 1); `b_window`/`f_window` are its last backward /
+    first forward."""
+    groups = [(params - expert, s.dp, links.dp)]
+    if expert:
+        groups.append((expert, s.edp, links.edp))
+    groups = [g for g in groups if g[1] > 1]
+    if not groups:
         return 0.0, 0.0
-    grads = rt.grad_reduce_bytes * params
-    bucket = min(grads, rt.bucket_mb * 2**20)
+
+    def coll(kind: str, width: float) -> float:
+        return sum(collective_time(kind, n, width * p, lk) for p, n, lk in groups)
+
+    p0, n0, link0 = groups[0]
+    bucket = min(rt.grad_reduce_bytes * p0, rt.bucket_mb * 2**20)
     if s.zero == 0:
-        total = collective_time("all_reduce", s.dp, grads, links.dp)
-        last = collective_time("all_reduce", s.dp, bucket, links.dp)
+        total = coll("all_reduce", rt.grad_reduce_bytes)
+        last = collective_time("all_reduce", n0, bucket, link0)
         return total, max(last, _exposed(total, b_window, rt.ddp_overlap))
     if s.zero == 1:
-        rs = collective_time("reduce_scatter", s.dp, grads, links.dp)
-        ag = collective_time("all_gather", s.dp, rt.param_gather_bytes * params, links.dp)
-        last = collective_time("reduce_scatter", s.dp, bucket, links.dp)
+        rs = coll("reduce_scatter", rt.grad_reduce_bytes)
+        ag = coll("all_gather", rt.param_gather_bytes)
+        last = collective_time("reduce_scatter", n0, bucket, link0)
         exposed = max(last, _exposed(rs, b_window, rt.zero1_overlap))
         return rs + ag, exposed + _exposed(ag, f_window, rt.zero1_overlap)
     if not rt.fsdp_unsharded_accumulation:
         return 0.0, 0.0  # reduce-scattered per micro-batch inside B (layer_phase)
-    rs = collective_time("reduce_scatter", s.dp, grads, links.dp)
-    last = collective_time("reduce_scatter", s.dp, bucket, links.dp)
+    rs = coll("reduce_scatter", rt.grad_reduce_bytes)
+    last = collective_time("reduce_scatter", n0, bucket, link0)
     return rs, max(last, _exposed(rs, b_window, rt.fsdp_overlap))
 
 
-def optimizer_time(params: float, s: Strategy, acc: Accelerator, rt: Runtime) -> float:
+def optimizer_time(
+    params: float, s: Strategy, acc: Accelerator, rt: Runtime, expert: float = 0.0
+) -> float:
     """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
     m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),
     plus the gradient-norm read and zeroing of the full local gradients, and FP8 weight
-    casts."""
+    casts. The `expert` part of `params` is sharded over the expert-data-parallel group."""
     shard = params / s.dp if s.zero in (1, 3) else params
+    if expert and s.zero in (1, 3):
+        shard = (params - expert) / s.dp + expert / s.edp
     per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
     nbytes = shard * per + params * 2 * rt.grad_bytes
     if s.fp8:

@@ -10,7 +10,9 @@ a 4-byte FP32 master when the parameter itself is not that master):
 where P is the parameters a rank holds: its chunks' layers over tp plus the embedding (first
 chunk) and head (last chunk) shares. hyperloom stores FP32 params (p = 4, master = the
 param; ZeRO-1 keeps its own FP32 master slice), so 16, 8 + 12/dp and 16/dp B/param;
-Megatron's BF16 params with FP32 main grads give 18, 6 + 12/dp and 18/dp.
+Megatron's BF16 params with FP32 main grads give 18, 6 + 12/dp and 18/dp. Under expert
+parallelism P counts 1/ep of the routed experts, and their sharded states divide by the
+expert-data-parallel size dp * cp / ep instead of dp.
 
 Activations (Korthikanti et al. arXiv 2205.05198; `model.build_layer` lists the tensors):
 one chunk of n layers for one micro-batch keeps n x (the layer's saved bytes under the
@@ -25,12 +27,15 @@ schedule rather than out of a formula.
 On top: the transient working set of one backward (a recomputed layer, or the last chunk's
 logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weight copies (one
 byte per weight, row- and column-wise), DDP's bucket copy of the gradients, FSDP's gathered
-layers. The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``), and a plan must
+layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
+receive buffers of the routed copies, or the all-gather dispatcher's gathered tokens and
+pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``), and a plan must
 leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and NCCL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
@@ -89,8 +94,15 @@ def w_pending_bytes(layer: Layer, fp8: bool = False) -> float:
     return (inputs / 2 if fp8 else inputs) + layer.grad_out_bytes
 
 
-def states(params: float, s: Strategy, rt: Runtime) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for `params` parameters on one rank."""
+def states(
+    params: float, s: Strategy, rt: Runtime, expert: float = 0.0
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes for `params` parameters on one rank, of which `expert`
+    are local routed experts sharded over the expert-data-parallel group (ep > 1)."""
+    if expert and s.zero != 0:
+        dense = states(params - expert, s, rt)
+        ours = states(expert, dataclasses.replace(s, dp=s.edp, cp=1, ep=1), rt)
+        return tuple(a + b for a, b in zip(dense, ours, strict=True))
     dp = s.dp
     master = 4 if (rt.param_bytes != 4 or (s.zero == 1 and rt.zero1_separate_master)) else 0
     opt = (8 + master) * params
@@ -125,13 +137,25 @@ class LayerMemory:
     saved: float  # per micro-batch, kept for the backward
     w_pending: float  # kept while waiting for a deferred W
     working: float  # one backward's working set: recomputed tensors + gradient buffers
+    dispatch: float = 0.0  # one MoE layer's expert-parallel dispatch buffers
 
     @classmethod
-    def of(cls, layer: Layer, recompute: str, fp8: bool) -> LayerMemory:
+    def of(cls, layer: Layer, recompute: str, fp8: bool, dispatch: float = 0.0) -> LayerMemory:
         saved = saved_bytes(layer, recompute, fp8)
         biggest = max(t.nbytes for t in layer.saved)
         working = saved_bytes(layer, "none", fp8) - saved + 2 * biggest
-        return cls(saved, w_pending_bytes(layer, fp8), working)
+        return cls(saved, w_pending_bytes(layer, fp8), working, dispatch)
+
+
+def dispatch_buffer(layer: Layer, spec: ModelSpec, s: Strategy) -> float:
+    """Bytes of one MoE layer's dispatch buffers under expert parallelism (module docstring):
+    the all-to-all's send buffer and the busiest rank's receive buffer, or the all-gather
+    dispatcher's gathered tokens and its outputs before the reduce-scatter."""
+    if s.ep <= 1 or not layer.dispatch_bytes:
+        return 0.0
+    if s.dispatcher == "allgather":
+        return 2.0 * s.ep * layer.dispatch_bytes / max(1, spec.moe_top_k)
+    return layer.dispatch_bytes * (1.0 + spec.moe_imbalance)
 
 
 def rank_memory(
@@ -145,12 +169,16 @@ def rank_memory(
     chunk_params: list[float],
     in_flight: int,
     w_pending: int,
+    chunk_experts: list[float] | None = None,
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
-    schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank."""
+    schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
+    `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
+    that is local routed experts (ep > 1)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
-    p, g, o = states(params, s, rt)
+    expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
+    p, g, o = states(params, s, rt, expert)
     unit = max(
         (layers[c] + (spec.mtp_depth if c == last else 0)) * lm.saved
         + chunk_activation_extras(spec, s, seq, c == 0, c == last)
@@ -168,11 +196,16 @@ def rank_memory(
         transient = max(transient, 10.0 * logits)
 
     layer_params = spec.layer_params() / s.tp
-    buffers = 0.0
+    layer_matmul = spec.layer_matmul_params()
+    if s.ep > 1:  # 1/ep of the routed experts
+        shed = spec.layer_expert_params() * (1 - 1 / s.ep)
+        layer_params -= shed / s.tp
+        layer_matmul -= shed
+    buffers = lm.dispatch
     if rt.autocast_weight_copy:
         buffers += 2.0 * params
     if s.fp8:
-        buffers += 2.0 * n_layers * spec.layer_matmul_params() / s.tp
+        buffers += 2.0 * n_layers * layer_matmul / s.tp
     if s.zero == 0 and s.dp > 1 and rt.ddp_bucket_copy:
         buffers += rt.grad_bytes * params
     if s.zero == 3 and s.dp > 1:

@@ -27,7 +27,9 @@ Recompute modules (`RECOMPUTE_MODULES`): ``core_attn`` (softmax/dropout intermed
 flash log-sum-exp), ``mlp_act`` (the activation output that feeds the second MLP GEMM),
 ``norm`` (norm outputs that feed the first GEMM of each block); ``full`` keeps only the layer
 input. The DeepSeek family (MoE, MLA, MTP) is one mean layer (`_build_deepseek_layer`);
-expert parallelism's all-to-all buffers are what is still to add here.
+under expert parallelism it also carries the bytes one token dispatch moves
+(`Layer.dispatch_bytes`), which `costs.py` turns into all-to-all time and `memory.py` into
+buffers.
 """
 
 from __future__ import annotations
@@ -71,9 +73,15 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_depth: int = 0
-    # Tokens on the busiest expert-parallel rank over the mean (applies only when ep > 1,
-    # which `strategy.check` rejects today; at ep = 1 one grouped GEMM runs tokens x top_k
-    # rows whatever the routing). 1.25: an assumption, not a measurement.
+    # Group-limited routing: experts in moe_n_groups groups, a token routed within its best
+    # moe_topk_groups (DeepSeek-V3: 8 groups = 8 nodes of 32 experts, at most 4 nodes).
+    moe_n_groups: int = 1
+    moe_topk_groups: int = 1
+    # Tokens on the busiest expert-parallel rank over the mean (applies only when ep > 1;
+    # at ep = 1 one grouped GEMM runs tokens x top_k rows whatever the routing). It scales
+    # the expert GEMM rows, the received all-to-all bytes and the dispatch buffers of every
+    # rank, since an all-to-all waits for its busiest member. 1.25: an assumption, not a
+    # measurement (docs/planner.md shows the sensitivity).
     moe_imbalance: float = 1.25
 
     def __post_init__(self) -> None:
@@ -97,7 +105,8 @@ class ModelSpec:
         if cfg.family == "deepseek":
             names = (
                 "n_routed_experts n_shared_experts moe_top_k moe_ffn_dim q_lora_rank "
-                "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim mtp_depth"
+                "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim mtp_depth "
+                "moe_n_groups moe_topk_groups"
             )
             extra = {k: getattr(cfg, k) for k in names.split()}
             extra["family"] = "deepseek"
@@ -180,6 +189,18 @@ class ModelSpec:
         moe = bool(self.n_routed_experts)
         block = self._block_matmul(moe, self.n_routed_experts) + self._block_extras(moe)
         return self.mtp_depth * (block + 2 * self.dim * self.dim + 3 * self.dim)
+
+    def routed_expert_params(self) -> int:
+        """Matrices of the routed experts of one MoE layer (what expert parallelism shards)."""
+        return self.n_routed_experts * 3 * self.dim * self.moe_ffn_dim
+
+    def layer_expert_params(self) -> float:
+        """Routed-expert matrices of the mean layer (the share of `layer_params` ep shards)."""
+        return self.n_moe_layers * self.routed_expert_params() / self.n_layers
+
+    def mtp_expert_params(self) -> int:
+        """Routed-expert matrices of the MTP modules (each has one MoE block)."""
+        return self.mtp_depth * self.routed_expert_params()
 
     @property
     def mlp_matrices(self) -> int:
@@ -274,6 +295,8 @@ class Layer:
     tp_buffer: float  # bytes of one TP collective's full buffer (b * s/cp * h * 2)
     cp_buffer: float  # bytes of the full K+V gathered over cp
     grad_out_bytes: float  # output-gradient bytes of the GEMMs (Zero Bubble's W keeps them)
+    moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
+    dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
 
     @property
     def gemm_flops(self) -> float:
@@ -379,8 +402,13 @@ def _build_deepseek_layer(
     wo split by heads; attention with q/k head dim nope + rope and v head dim v_head_dim.
     MoE: the router GEMM (replicated), the shared experts as one SwiGLU of width
     shared x moe_ffn_dim split over tp, the routed experts as a grouped GEMM of E/ep experts
-    with tokens x top_k / E rows each (times `moe_imbalance` on the busiest rank when ep > 1),
-    each expert's width split over tp; dispatch/combine as permutation traffic.
+    with tokens x top_k / E rows each at ep = 1, and tokens x top_k x ep / E x
+    `moe_imbalance` at ep > 1 (the ep ranks' routed copies meet on E/ep experts), each
+    expert's width split over tp; dispatch/combine as permutation traffic.
+
+    Expert parallelism: one dispatch all-to-all sends the routed copies of this rank's tokens,
+    tokens x top_k x dim BF16 elements (over tp when tp > 1: each tensor-parallel rank sends
+    its 1/tp share and the expert-tp group gathers them back, see `costs.layer_phase`).
     """
     h, a, t = spec.dim, spec.n_heads, tp
     tokens = mbs * seq / cp
@@ -412,9 +440,14 @@ def _build_deepseek_layer(
         ]
     E, k, fe, S = spec.n_routed_experts, spec.moe_top_k, spec.moe_ffn_dim, spec.n_shared_experts
     routed_rows = tokens * k  # rows through the routed experts of this rank (ep = 1)
+    dispatch = 0.0
     if wm:
         local = E / ep
-        rows = tokens * k / E * (spec.moe_imbalance if ep > 1 else 1.0)
+        if ep > 1:
+            rows = tokens * k * ep / E * spec.moe_imbalance
+            dispatch = 2.0 * tokens * k * h / t
+        else:
+            rows = tokens * k / E * 1.0
         routed_rows = rows * local
         gemms.append(Gemm("router", tokens, E, h, wm))
         if S:
@@ -483,6 +516,8 @@ def _build_deepseek_layer(
         tp_buffer=2.0 * x_full,
         cp_buffer=2.0 * tokens * cp * (q_dim + v_dim) / t,
         grad_out_bytes=grad_out,
+        moe_fraction=wm,
+        dispatch_bytes=dispatch,
     )
 
 

@@ -161,7 +161,8 @@ def plot_timeline(plan: Plan, path: str | Path, max_microbatches: int | None = N
     }
     if s.pp > 1:
         sched = add_communication(sched)
-    res = replay_schedule(sched, Costs(comm=prep.p2p, per_stage=per_stage))
+    costs = Costs(comm=prep.p2p, per_stage=per_stage, fb_overlap=prep.fb_overlap)
+    res = replay_schedule(sched, costs)
     note = f" (first {m} of {s.microbatches} micro-batches)" if m < s.microbatches else ""
     title = f"{plan.model.name} {s.label()}: times in s{note}"
     return draw_timeline(res, path, title=title)

@@ -1,8 +1,10 @@
 """Search the parallel strategy space for the fastest layouts that fit in memory.
 
-The space is the product of tp, cp, pp (dp is what the GPU count leaves), micro-batch size
-(the micro-batch count follows from the global batch), ZeRO mode, schedule kind (with vpp
-for interleaving), recompute policy and FP8. Every point goes through three filters, cheapest
+The space is the product of tp, cp, pp (dp is what the GPU count leaves), ep for MoE models
+(every divisor of dp * cp that divides the routed experts, since experts fold over data x
+context parallelism; 1 for dense models), micro-batch size (the micro-batch count follows
+from the global batch), ZeRO mode, schedule kind (with vpp for interleaving), recompute
+policy and FP8. Every point goes through three filters, cheapest
 first, and the counts of what each one removed are reported:
 
 1. validity (`strategy.check`): divisibility (tp into heads, KV heads, FFN and vocabulary;
@@ -57,6 +59,8 @@ class SearchSpace:
     tp: tuple[int, ...] = (1, 2, 4, 8)
     cp: tuple[int, ...] = (1, 2, 4, 8)
     pp: tuple[int, ...] = ()
+    ep: tuple[int, ...] = ()  # () = every valid one: divisors of dp*cp dividing the experts
+    dispatcher: tuple[str, ...] = ("alltoall",)
     mbs: tuple[int, ...] = (1, 2, 4)
     zero: tuple[int, ...] = (0, 1, 3)
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-v")
@@ -72,8 +76,8 @@ class SearchSpace:
             name = {"schedule": "schedules"}.get(key, key)
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise PlanError(
-                    f"cannot fix {key!r}; fixable: tp, cp, pp, mbs, zero, schedule, vpp, "
-                    f"recompute, fp8"
+                    f"cannot fix {key!r}; fixable: tp, cp, pp, ep, dispatcher, mbs, zero, "
+                    f"schedule, vpp, recompute, fp8"
                 )
             out[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         return dataclasses.replace(self, **out)
@@ -110,6 +114,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_degrees(spec: ModelSpec, dp: int, cp: int, space: SearchSpace) -> tuple[int, ...]:
+    """The ep values to try for a dp x cp layout: the space's (pinned values go through
+    `check`, which names the invalid ones), or every divisor of dp * cp that divides the
+    routed experts; 1 for dense models."""
+    if space.ep:
+        return space.ep
+    if not spec.n_routed_experts:
+        return (1,)
+    return tuple(d for d in _divisors(dp * cp) if spec.n_routed_experts % d == 0)
+
+
 def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace, accel_fp8: bool):
     """Every point of the space for `gpus` GPUs and `global_batch` sequences per step."""
     for tp, cp in itertools.product(space.tp, space.cp):
@@ -132,8 +147,13 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                     for kind in space.schedules:
                         vpps = space.vpp if kind == "interleaved" else (1,)
                         kinds += [(kind, v) for v in vpps]
-                for (kind, v), zero, rc, fp8 in itertools.product(
-                    kinds, space.zero, space.recompute, space.fp8
+                experts = [
+                    (ep, d)
+                    for ep in expert_degrees(spec, dp, cp, space)
+                    for d in (space.dispatcher if ep > 1 else ("alltoall",))
+                ]
+                for (ep, disp), (kind, v), zero, rc, fp8 in itertools.product(
+                    experts, kinds, space.zero, space.recompute, space.fp8
                 ):
                     if fp8 and not accel_fp8:
                         continue
@@ -144,6 +164,8 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                         pp=pp,
                         dp=dp,
                         cp=cp,
+                        ep=ep,
+                        dispatcher=disp,
                         vpp=v,
                         zero=zero,
                         mbs=mbs,

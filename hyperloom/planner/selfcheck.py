@@ -57,6 +57,7 @@ def job_strategy(
         pp=par.pp,
         dp=par.dp,
         cp=par.cp,
+        ep=par.ep,
         zero=par.zero,
         sp=par.sp,
         order=par.order,

@@ -44,17 +44,17 @@ from hyperloom.planner.costs import (
     Links,
     Phase,
     assign_layers,
-    chunk_params,
     dp_sync,
     embedding_phase,
     head_phase,
     layer_phase,
     links_for,
+    local_params,
     optimizer_time,
 )
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import GIB, Accelerator, Cluster
-from hyperloom.planner.memory import LayerMemory, Memory, rank_memory
+from hyperloom.planner.memory import LayerMemory, Memory, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
 
@@ -178,7 +178,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     """Layer costs and memory figures, embedding and head Phases and links; `key` is the
     strategy with the fields that do not change a layer (schedule, vpp, micro-batch count)
     reset, so one entry serves every schedule of a layout."""
-    links = links_for(cluster, key)
+    links = links_for(cluster, key, spec, rt.a2a_node_dedup)
     acc = effective_accelerator(cluster, rt)
     layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep)
     one = layer_phase(layer, spec, key, acc, links, rt)
@@ -186,13 +186,30 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     head = head_phase(spec, key, seq, acc, links)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
-    return LayerMemory.of(layer, key.recompute, key.fp8), one, emb, head, links
+    lm = LayerMemory.of(layer, key.recompute, key.fp8, dispatch_buffer(layer, spec, key))
+    return lm, one, emb, head, links
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunks(spec: ModelSpec, tp: int, rank_chunks) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks):
+    """(layers, local params, local routed-expert params) per model chunk."""
     layers = tuple(assign_layers(spec.n_layers, rank_chunks))
-    return layers, tuple(chunk_params(spec, tp, list(layers)))
+    params, experts = local_params(spec, tp, ep, list(layers))
+    return layers, tuple(params), tuple(experts)
+
+
+def fb_overlap(one: Phase, s: Strategy, rt: Runtime) -> float:
+    """`pipeline.Costs.fb_overlap` for DualPipe: the share of an overlapped forward-and-
+    backward pair left after ``dualpipe_ep_overlap`` of the expert-parallel communication
+    hides behind the other micro-batch's work (DeepSeek-V3 §3.2.1), from the mean layer;
+    1 for every other schedule and runtime."""
+    if s.schedule not in ("dualpipe", "dualpipev") or not rt.dualpipe_ep_overlap:
+        return 1.0
+    total = one.total
+    if not one.ep_comm or not total:
+        return 1.0
+    hidden = rt.dualpipe_ep_overlap * min(one.ep_comm, total - one.ep_comm)
+    return 1.0 - hidden / total
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,7 +219,8 @@ class Prepared:
 
     strategy: Strategy
     layers: tuple[int, ...]  # per model chunk
-    params: tuple[float, ...]  # per model chunk, on one tp rank
+    params: tuple[float, ...]  # per model chunk, on one rank (tp split, 1/ep of the experts)
+    experts: tuple[float, ...]  # the local routed experts among `params` (0 at ep = 1)
     one: Phase  # one layer
     ends: tuple[Phase, Phase]  # embedding (first chunk), head (last chunk)
     f: np.ndarray
@@ -212,6 +230,7 @@ class Prepared:
     links: Links
     rank_chunks: tuple[tuple[int, ...], ...]
     p2p: float  # seconds of one activation transfer between pipeline ranks
+    fb_overlap: float = 1.0  # DualPipe's F&B pairs (`fb_overlap`)
 
     @functools.cached_property
     def phases(self) -> list[Phase]:
@@ -256,7 +275,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
     key = dataclasses.replace(s, schedule="1f1b", vpp=1, microbatches=1)
     lm, one, emb, head, links = _layer(spec, cluster, rt, seq, key)
     rank_chunks = _rank_chunks(s.schedule, s.pp, s.vpp)
-    layers, params = _chunks(spec, s.tp, rank_chunks)
+    layers, params, experts = _chunks(spec, s.tp, s.ep, rank_chunks)
     n = np.asarray(layers, dtype=float)
     f, b, w = one.f * n, one.b * n, one.w * n
     for i, ph in ((0, emb), (-1, head)):
@@ -268,6 +287,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         strategy=s,
         layers=layers,
         params=params,
+        experts=experts,
         one=one,
         ends=(emb, head),
         f=f,
@@ -277,6 +297,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         links=links,
         rank_chunks=rank_chunks,
         p2p=collective_time("p2p", 2, act, links.pp),
+        fb_overlap=fb_overlap(one, s, rt),
     )
 
 
@@ -302,6 +323,7 @@ def memory_per_rank(
             list(prep.params),
             in_flight[r],
             w_pending[r],
+            list(prep.experts),
         )
         for r in (range(s.pp) if ranks is None else ranks)
     ]
@@ -320,15 +342,24 @@ def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> f
     m = s.microbatches
     back = prep.b if split else prep.b + prep.w
     busy = m * prep.rank_sum(prep.f + prep.b + prep.w)
+    if prep.fb_overlap != 1.0:  # an F&B pair is no shorter than fb_overlap x its parts
+        busy = busy * prep.fb_overlap
     bound = busy
     if s.schedule != "dualpipe":
         first = np.arange(s.pp)  # rank r's first chunk is chunk r (standard and V)
         pre = np.concatenate(([0.0], np.cumsum(prep.f)))[first] + first * prep.p2p
         post = np.concatenate(([0.0], np.cumsum(back)))[first] + first * prep.p2p
         own = m * prep.rank_sum(prep.f + back)
+        if prep.fb_overlap != 1.0:
+            own = own * prep.fb_overlap
         bound = pre + np.maximum(busy, own + post)
-    per_param = optimizer_time(1.0, s, effective_accelerator(cluster, rt), rt)
-    return float(np.max(bound + per_param * prep.rank_sum(np.asarray(prep.params))))
+    acc = effective_accelerator(cluster, rt)
+    per_param = optimizer_time(1.0, s, acc, rt)
+    opt = per_param * prep.rank_sum(np.asarray(prep.params))
+    if s.ep > 1:  # the local experts' optimizer shard is over the expert-data-parallel group
+        per_expert = optimizer_time(1.0, s, acc, rt, expert=1.0) - per_param
+        opt = opt + per_expert * prep.rank_sum(np.asarray(prep.experts))
+    return float(np.max(bound + opt))
 
 
 def predict(
@@ -360,7 +391,8 @@ def predict(
                 st: StageCost(float(prep.f[c]), float(prep.b[c]), float(prep.w[c]))
                 for st, c in chunk_of.items()
             }
-            results.append(replay_schedule(sched, Costs(comm=prep.p2p, per_stage=per_stage)))
+            costs = Costs(comm=prep.p2p, per_stage=per_stage, fb_overlap=prep.fb_overlap)
+            results.append(replay_schedule(sched, costs))
     except ScheduleError as exc:
         raise PlanError(f"{s.label()}: {exc}") from None
 
@@ -381,12 +413,16 @@ def predict(
     finish, parts, busy_all = [], [], 0.0
     for rank in range(s.pp):
         p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
+        e_rank = sum(prep.experts[c] for c in prep.rank_chunks[rank])
         per_mb = prep.rank_phase(rank)
-        dp_total, dp_exposed = dp_sync(p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt)
-        opt = optimizer_time(p_rank, s, acc, rt)
+        dp_total, dp_exposed = dp_sync(
+            p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt, e_rank
+        )
+        opt = optimizer_time(p_rank, s, acc, rt, e_rank)
         finish.append(ends[rank] + dp_exposed + opt)
         busy = m * per_mb.total
-        busy_all += busy
+        hidden = busy * (1.0 - prep.fb_overlap)  # estimate: as if every pair were F&B
+        busy_all += busy - hidden
         parts.append(
             {
                 "compute": m * per_mb.compute,
@@ -394,12 +430,16 @@ def predict(
                 "tp_comm": m * per_mb.tp_comm,
                 "cp_comm": m * per_mb.cp_comm,
                 "zero3_gather": m * per_mb.dp_comm,
-                "pipeline_bubble": max(0.0, ends[rank] - busy),
+                "pipeline_bubble": max(0.0, ends[rank] - busy + hidden),
                 "dp_sync_exposed": dp_exposed,
                 "optimizer": opt,
                 "dp_sync_total": dp_total,
             }
         )
+        if s.ep > 1:
+            parts[-1]["ep_comm"] = m * per_mb.ep_comm
+            if hidden:
+                parts[-1]["ep_hidden_by_fb_pairs"] = -hidden
     step = max(finish)
     makespan = max(ends)
     flops = spec.model_flops_per_token(seq) * s.global_batch * seq

@@ -27,6 +27,22 @@ which communication is overlapped with compute and how well. Two are built in:
   take as 80% effective (an assumption, see docs/planner.md); sequence-parallel inputs are
   saved sharded and gathered again for the weight gradient.
 
+Expert parallelism (`Strategy.ep`) folds over data x context parallelism as the runtime does
+(Megatron's "parallel folding", `parallel/mesh.py`): ep divides dp * cp, each rank holds E/ep
+routed experts, tokens reach them through an all-to-all (``dispatcher="alltoall"``, variable
+splits) or an all-gather / reduce-scatter pair (``"allgather"``), and expert gradients are
+reduced over the expert-data-parallel group of dp * cp / ep ranks. Neither runtime overlaps
+the all-to-all with compute (``ep_overlap`` 0: hyperloom has no overlap, and Megatron's
+``--overlap-moe-expert-parallel-comm`` is taken as off). ``dualpipe_ep_overlap`` is the
+fraction hidden inside DualPipe's overlapped forward-and-backward pairs (DeepSeek-V3 §3.2.1:
+one micro-batch's all-to-all runs while the other computes); it is 0 for both built-in
+runtimes and is set explicitly, as an assumption, where DeepSeek's own system is modelled
+(`published.deepseek_v3`). ``a2a_node_dedup`` is DeepSeek's dispatch (DeepEP, paper
+§3.2.2): a token crosses the network once per destination node and is forwarded inside the
+node over the scale-up fabric; the plain all-to-all sends every routed copy.
+``fp8_dispatch``: with FP8 GEMMs the dispatch moves FP8 activations (DeepSeek-V3 §3.3.2; the
+combine and the backward stay BF16); both built-in runtimes dispatch in BF16.
+
 Pass ``param_bytes=2`` (`--param-dtype bf16`) to model Megatron's memory layout on the
 hyperloom runtime's overlap behaviour, or build any other `Runtime`.
 """
@@ -40,6 +56,7 @@ from hyperloom.pipeline import SCHEDULES
 from hyperloom.planner.model import ModelSpec, parse_recompute
 
 ZERO_MODES = (0, 1, 3)
+DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,10 @@ class Runtime:
     grad_reduce_bytes: int = 4
     bucket_mb: float = 25.0  # the last gradient bucket is never hidden
     efficiency: float = 1.0  # achieved fraction of the compute roofline (fitted: docs)
+    ep_overlap: float = 0.0  # fraction of the EP all-to-all hidden behind expert compute
+    dualpipe_ep_overlap: float = 0.0  # ... hidden inside DualPipe's F&B pairs (see docstring)
+    a2a_node_dedup: bool = False  # one network copy per destination node (DeepEP)
+    fp8_dispatch: bool = False  # with FP8 on, the dispatch all-to-all moves FP8 (DeepSeek)
 
     def with_param_dtype(self, dtype: str) -> Runtime:
         """'bf16': BF16 params + FP32 master in the optimizer (Megatron's layout)."""
@@ -108,10 +129,17 @@ class Strategy:
     fp8: bool = False
     sp: bool = True  # sequence parallelism whenever tp > 1
     order: str = "pp,dp,cp,tp"
+    dispatcher: str = "alltoall"  # EP token dispatch: "alltoall" or "allgather"
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks holding the same experts (dp * cp / ep).
+        At ep = 1 the experts are ordinary parameters of the dp group."""
+        return self.dp * self.cp // self.ep if self.ep > 1 else self.dp
 
     @property
     def global_batch(self) -> int:
@@ -133,6 +161,8 @@ class Strategy:
         parts += [f"dp{self.dp}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}" + ("ag" if self.dispatcher == "allgather" else ""))
         parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
         parts.append(f"rc:{self.recompute}")
         if self.fp8:
@@ -177,7 +207,12 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
     if s.ep > 1:
         if not spec.n_routed_experts:
             return f"ep = {s.ep}: the dense family has no experts"
-        return f"ep = {s.ep}: expert parallelism (its all-to-all) is not costed yet; use ep = 1"
+        if (s.dp * s.cp) % s.ep:
+            return f"ep ({s.ep}) must divide dp({s.dp}) * cp({s.cp}) = {s.dp * s.cp}"
+        if spec.n_routed_experts % s.ep:
+            return f"ep ({s.ep}) must divide n_routed_experts ({spec.n_routed_experts})"
+    if s.dispatcher not in DISPATCHERS:
+        return f"dispatcher must be one of {DISPATCHERS}, got {s.dispatcher!r}"
     if s.model_chunks > spec.n_layers:
         return (
             f"pp({s.pp}) * chunks per rank({s.stages_per_rank}) = {s.model_chunks} chunks "

@@ -51,10 +51,16 @@ def test_deepseek_v3_on_h100_plausible_mfu_and_memory():
     assert params[-1] > params[1]
 
 
-def test_ep_above_one_is_rejected_until_its_all_to_all_is_costed():
+def test_ep_must_fold_over_dp_cp_and_divide_the_experts():
     spec = ModelSpec.from_model_config(preset_config("moe-tiny"), "moe-tiny")
-    why = check(Strategy(dp=1, ep=2), spec, 256)
-    assert why and "not costed" in why
+    assert "must divide dp(1) * cp(1) = 1" in check(Strategy(dp=1, ep=2), spec, 256)
+    assert check(Strategy(dp=2, ep=2), spec, 256) is None
+    E = spec.n_routed_experts
+    bad = next(d for d in range(2, 64) if E % d)
+    why = check(Strategy(dp=bad, ep=bad), spec, 256)
+    assert why == f"ep ({bad}) must divide n_routed_experts ({E})"
+    llama = ModelSpec.from_model_config(preset_config("llama3-8b"), "llama3-8b")
+    assert "no experts" in check(Strategy(dp=2, ep=2), llama, 256)
 
 
 def test_moe_tiny_self_check_predicts(tmp_path):

@@ -76,6 +76,9 @@ class ModelConfig:
     max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
     tie_embeddings: bool = knob(False, "share the input embedding with the output head")
     init_std: float = knob(0.02, "std of the normal weight init (output projections scaled)")
+    dropout: float = knob(
+        0.0, "training dropout on attention weights and each block's residual branches (0 = off)"
+    )
     # Mixture-of-Experts, MLA and MTP (family 'deepseek'; hyperloom.models.deepseek).
     n_routed_experts: int = knob(0, "MoE routed experts per MoE layer (0 = dense model)")
     n_shared_experts: int = knob(0, "MoE shared experts (one SwiGLU of n x moe_ffn_dim)")
@@ -578,6 +581,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     positive("model.init_std", m.init_std)
     if m.vocab_size < 2:
         p.append(f"model.vocab_size must be at least 2, got {m.vocab_size}")
+    if not 0.0 <= m.dropout < 1.0:
+        p.append(f"model.dropout must lie in [0, 1), got {m.dropout}")
     if ok:
         if m.dim % m.n_heads:
             p.append(
@@ -903,6 +908,13 @@ def _tensor_parallel_problems(cfg: JobConfig) -> list[str]:
         out.append(
             f"data.seq_len ({cfg.data.seq_len}) is not divisible by parallel.tp ({tp}); "
             f"sequence parallelism splits the sequence into tp equal parts"
+        )
+    if m.dropout > 0 and tp > 1:
+        out.append(
+            f"model.dropout = {m.dropout} with parallel.tp = {tp} is not supported: the "
+            f"tensor-parallel ranks hold different slices (heads, sequence) of one tensor but "
+            f"share one RNG stream, so their masks would repeat slice to slice (Megatron keeps "
+            f"an RNG tracker for this); use model.dropout = 0 or parallel.tp = 1"
         )
     names = [n.strip() for n in par.order.split(",") if n.strip()]
     if sorted(names) != sorted(["pp", "dp", "cp", "tp"]):

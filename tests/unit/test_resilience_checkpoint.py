@@ -4,9 +4,10 @@ The crash is real: `python -m hyperloom train --resilience.inject crash@5` dies 
 `os._exit` (like `kill -9`) after step 5, between the checkpoints of steps 4 and 6; the same
 command again resumes from step 4. The final parameters must equal an uninterrupted run's bit
 for bit, and a resume that does not restore the data position must not (the negative
-control: without it the bitwise check could be vacuous). The tiny Llama has no dropout, so
-it draws no random numbers while training and a resume without the RNG streams would pass;
-the data position is the state that matters here.
+control: without it the bitwise check could be vacuous). The tiny Llama has no dropout by
+default, so it draws no random numbers while training and a resume without the RNG streams
+would pass; with `model.dropout` > 0 every step draws masks, and the second negative control
+shows that a resume which skips restoring the RNG streams fails the same check.
 """
 
 from __future__ import annotations
@@ -79,6 +80,48 @@ def test_negative_control_resume_without_data_position_differs(
     monkeypatch.setattr(ResumableLoader, "load_state_dict", lambda self, state: None)
     Trainer(job(run_dir, tiny_job_args)).run()
     a, b = final_weights(run_dir), final_weights(reference)
+    assert not all(torch.equal(a[n], b[n]) for n in a)
+
+
+DROPOUT = dict(model__dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory, tiny_job_args) -> Path:
+    run_dir = tmp_path_factory.mktemp("dropout-reference")
+    Trainer(job(run_dir, tiny_job_args, **DROPOUT)).run()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def dropout_crashed(tmp_path_factory, tiny_job_args, cli) -> Path:
+    """As `crashed`, with dropout: the RNG streams at step 4 are part of the state."""
+    run_dir = tmp_path_factory.mktemp("dropout-crashed")
+    args = tiny_job_args(run_dir, **COMMON, **DROPOUT)
+    proc = cli("train", *args, "--resilience.inject", "crash@5")
+    assert proc.returncode == CRASH_EXIT, proc.stderr[-2000:]
+    return run_dir
+
+
+def test_with_dropout_crash_and_auto_resume_is_bitwise_equal(
+    dropout_crashed, dropout_reference, reference, tiny_job_args, tmp_path
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(dropout_crashed, run_dir)
+    Trainer(job(run_dir, tiny_job_args, resilience__inject="crash@5", **DROPOUT)).run()
+    assert_same_weights(final_weights(run_dir), final_weights(dropout_reference))
+    a, b = final_weights(dropout_reference), final_weights(reference)
+    assert not all(torch.equal(a[n], b[n]) for n in a)  # dropout did change training
+
+
+def test_negative_control_resume_without_rng_differs(
+    dropout_crashed, dropout_reference, tiny_job_args, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(dropout_crashed, run_dir)
+    monkeypatch.setattr(ckpt, "restore_rng", lambda state: None)  # data position restored
+    Trainer(job(run_dir, tiny_job_args, **DROPOUT)).run()
+    a, b = final_weights(run_dir), final_weights(dropout_reference)
     assert not all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -29,10 +29,15 @@ BACKENDS = (
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = True,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """softmax(q kᵀ / √d + causal mask) v in float32, for (batch, heads, seq, head_dim) inputs;
-    k and v may have fewer heads (grouped-query: each serves heads/kv_heads query heads)."""
+    k and v may have fewer heads (grouped-query: each serves heads/kv_heads query heads).
+    `dropout_p` drops attention probabilities, as SDPA's argument does."""
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)  # (b, h, s_kv, d)
     vf = v.float().repeat_interleave(rep, dim=1)
@@ -41,18 +46,27 @@ def attention_reference(
         s, s_kv = scores.shape[-2:]
         mask = torch.ones(s, s_kv, dtype=torch.bool, device=q.device).tril(s_kv - s)
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ vf).to(q.dtype)
+    probs = scores.softmax(-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ vf).to(q.dtype)
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True, impl: str = "fused"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = True,
+    impl: str = "fused",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of (batch, heads, seq, head_dim) q over k, v with the same or fewer heads."""
+    """Attention of (batch, heads, seq, head_dim) q over k, v with the same or fewer heads;
+    `dropout_p` > 0 (training only: the caller passes 0 in eval) drops attention weights."""
     check_impl(impl)
     if impl == "reference":
-        return attention_reference(q, k, v, is_causal)
+        return attention_reference(q, k, v, is_causal, dropout_p)
     return F.scaled_dot_product_attention(
-        q, k, v, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]
     )
 
 

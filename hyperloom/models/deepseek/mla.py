@@ -144,6 +144,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         self.scale = softmax_scale(cfg)
         self.q_scale = yarn_correction(cfg)  # folded into q on the SDPA path
+        self.dropout = cfg.dropout  # on the attention weights, in training
         self.ops = OpImpls()
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,12 @@ class MLA(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = ops.attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, self.ops.attention
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            True,
+            self.ops.attention,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.wo(out.transpose(1, 2).flatten(2))  # (b, s, heads * v)
 

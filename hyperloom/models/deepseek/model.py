@@ -47,6 +47,7 @@ from hyperloom.models.llama.model import (
     FeedForward,
     Llama,
     RMSNorm,
+    TransformerBlock,
     param_generator,
     stage_input,
 )
@@ -65,11 +66,10 @@ class Block(nn.Module):
             self.feed_forward: nn.Module = FeedForward(cfg.dim, cfg.ffn_dim)
         else:
             self.feed_forward = MoE(cfg)
+        self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin, cache=None, start_pos=0):
-        a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
-        h, x = self.ffn_norm(a, residual=x)  # x <- x + a, h = norm(x), in one pass
-        return x + self.feed_forward(h)
+    # Llama's pre-norm residual block, residual dropout included, over MLA and the MoE.
+    forward = TransformerBlock.forward
 
 
 class MTPModule(Block):

@@ -2,7 +2,10 @@
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al., arXiv
 2302.13971; Llama 3, arXiv 2407.21783). Attention is grouped-query (Ainslie et al., arXiv
-2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling). The
+2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling). With
+`model.dropout` = p > 0, training drops the attention weights and each branch's output before
+it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4); p = 0 (Llama's own
+setting) draws no random numbers at all. The
 memory-bound pieces -- RMSNorm fused with the residual add before it, SwiGLU, RoPE, attention
 and the output head with its cross-entropy -- are `hyperloom.engine.ops` calls whose
 implementation (`OpImpls`: reference, fused) the model holds in `self.ops` and `use_ops`
@@ -84,6 +87,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.dropout = cfg.dropout  # on the attention weights, in training
         self.ops = OpImpls()
 
     def forward(
@@ -107,7 +111,8 @@ class Attention(nn.Module):
         if start_pos == 0:
             # Grouped-query attention inside SDPA: each kv head serves n_heads / n_kv_heads
             # consecutive query heads, without copying k and v for every query head.
-            out = ops.attention(q, k, v, is_causal=True, impl=self.ops.attention)
+            p = self.dropout if self.training else 0.0
+            out = ops.attention(q, k, v, is_causal=True, impl=self.ops.attention, dropout_p=p)
         elif seq == 1:
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # sees everything
         else:
@@ -158,11 +163,19 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, cache=None, start_pos=0):
         a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        a = residual_dropout(a, self.dropout, self.training)
         h, x = self.ffn_norm(a, residual=x)  # x <- x + a, h = norm(x), in one pass
-        return x + self.feed_forward(h)
+        return x + residual_dropout(self.feed_forward(h), self.dropout, self.training)
+
+
+def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout on a branch's output before the residual add; the identity (no random
+    numbers drawn) in evaluation or at p = 0."""
+    return F.dropout(x, p) if training and p > 0 else x
 
 
 class Llama(nn.Module):

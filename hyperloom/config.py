@@ -121,7 +121,13 @@ class ParallelConfig:
     tp: int = knob(1, "tensor-parallel degree")
     pp: int = knob(1, "pipeline-parallel degree")
     cp: int = knob(1, "context-parallel degree")
-    ep: int = knob(1, "expert-parallel degree (folds over dp x cp)")
+    ep: int = knob(1, "expert-parallel degree: each rank holds E / ep experts (folds over dp)")
+    ep_dispatcher: str = knob(
+        "alltoall",
+        "how tokens reach their experts under ep: all-to-all of the routed rows, or "
+        "all-gather of the group's rows + reduce-scatter of the outputs",
+        choices=["alltoall", "allgather"],
+    )
     sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
     zero: int = knob(
         0,
@@ -666,21 +672,20 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     else:
         p.extend(_tensor_parallel_problems(cfg))
         p.extend(_pipeline_problems(cfg))
-        for key, issue in (("cp", "context"), ("ep", "expert")):
-            if getattr(par, key) > 1:
-                p.append(
-                    f"parallel.{key} = {getattr(par, key)}: {issue} parallelism is not built "
-                    f"yet; this release runs tp, sp, pp and dp (zero 0, 1 or 3)"
-                )
+        if par.cp > 1:
+            p.append(
+                f"parallel.cp = {par.cp}: context parallelism is not built yet; this release "
+                f"runs tp, sp, pp, dp (zero 0, 1 or 3) and ep"
+            )
         world = world_size_from_env() if world_size is None else world_size
         product = par.dp * par.tp * par.pp * par.cp
         if product != world:
             expr = " * ".join(f"{k}({v})" for k, v in dims.items())
             p.append(f"{expr} = {product} != world size {world}")
-        if (par.dp * par.cp) % par.ep:
+        if par.dp % par.ep:
             p.append(
-                f"parallel.ep ({par.ep}) must divide dp({par.dp}) * cp({par.cp}) = "
-                f"{par.dp * par.cp} (experts fold over data x context parallel)"
+                f"parallel.ep ({par.ep}) must divide dp ({par.dp}): experts fold over the "
+                f"data-parallel ranks"
             )
     p.extend(_moe_problems(cfg))
     if cfg.precision.fp8 != "none" and par.tp > 1 and not bad:
@@ -808,6 +813,23 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _expert_parallel_problems(cfg: JobConfig) -> list[str]:
+    """ep > 1 for an MoE model: the experts split evenly; DDP (zero 0) reduces the rest."""
+    m, par = cfg.model, cfg.parallel
+    out = []
+    if m.n_routed_experts % par.ep:
+        out.append(
+            f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep "
+            f"({par.ep}): each expert-parallel rank holds n_routed_experts / ep experts"
+        )
+    if par.zero != 0:
+        out.append(
+            f"parallel.ep = {par.ep} with parallel.zero = {par.zero} is not built yet: the "
+            f"sharded optimizers would mix different ranks' experts; use zero 0 (DDP)"
+        )
+    return out
+
+
 def _moe_problems(cfg: JobConfig) -> list[str]:
     """The MoE / MLA / MTP keys (hyperloom.models.deepseek), arithmetic shown."""
     m, par = cfg.model, cfg.parallel
@@ -816,8 +838,15 @@ def _moe_problems(cfg: JobConfig) -> list[str]:
         used = [k for k in ("n_routed_experts", "kv_lora_rank", "mtp_depth") if getattr(m, k)]
         if used:
             out.append(f"model.{used[0]} needs model.family = 'deepseek' (got '{m.family}')")
+        if par.ep > 1:
+            out.append(
+                f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
+                f"(model.family = 'deepseek' with model.n_routed_experts > 0)"
+            )
         return out
-    for key in ("tp", "pp", "ep"):
+    if par.ep > 1:
+        out.extend(_expert_parallel_problems(cfg))
+    for key in ("tp", "pp"):
         if getattr(par, key) > 1:
             out.append(
                 f"parallel.{key} = {getattr(par, key)} with model.family = 'deepseek': "

@@ -8,17 +8,20 @@ import torch
 from hyperloom.config import JobConfig
 from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
 from hyperloom.models.registry import build_model, family
+from hyperloom.parallel.expert_parallel import apply_expert_parallel
 from hyperloom.parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from hyperloom.parallel.parallelize import (
     ParallelModel,
     apply_tensor_parallel,
+    restore_shard_attributes,
+    shard_attributes,
     wrap_data_parallel,
 )
 
 
 def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
     """Build the job's model on the meta device, swap in FP8 linears (precision.fp8), apply
-    TP/SP, initialise, wrap for DP.
+    TP/SP, then EP (each rank keeps its E / ep experts), initialise, wrap for DP.
 
     Initialisation happens after the tensor-parallel swap (each rank allocates only its
     shards) and draws every tensor from the single-device init stream, so all layouts start
@@ -32,16 +35,29 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
         sp_params = apply_tensor_parallel(
             model, family(cfg.model.family).tp_plan, mesh.group("tp"), cfg.parallel.sp
         )
+    experts = None
+    if cfg.parallel.ep > 1:
+        ep = cfg.parallel.ep
+        ep_group, data_group = mesh.expert_groups(ep)
+        experts = apply_expert_parallel(
+            model,
+            ep_group,
+            data_group,
+            ep_rank=mesh.rank("dp") % ep,
+            ep=ep,
+            dp=mesh.size("dp"),
+            dispatcher=cfg.parallel.ep_dispatcher,
+        )
     # to_empty makes new Parameter objects when leaving the meta device, so the shard
     # descriptions are carried across by name before init_weights reads them.
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
+    attrs = shard_attributes(model)
     model.to_empty(device=device)
-    for name, spec in specs.items():
-        model.get_parameter(name).shard_spec = spec
+    restore_shard_attributes(model, attrs)
     model.init_weights(cfg.train.seed)
     reset_fp8_state(model)  # to_empty left the delayed-scaling buffers uninitialised
-    module = wrap_data_parallel(model, mesh, cfg.parallel.zero)
-    return ParallelModel(module, model, mesh, cfg.parallel.zero, sp_params)
+    ignore = experts.names if experts is not None else []
+    module = wrap_data_parallel(model, mesh, cfg.parallel.zero, ignore)
+    return ParallelModel(module, model, mesh, cfg.parallel.zero, sp_params, experts=experts)
 
 
 __all__ = ["ParallelMesh", "ParallelModel", "build_mesh", "init_distributed", "parallelize"]

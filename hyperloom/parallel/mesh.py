@@ -9,9 +9,9 @@ Rank order. Ranks are laid out row-major over `parallel.order` (outermost first,
 consecutive — on a GPU node, the GPUs joined by NVLink — and pipeline stages are outermost,
 where the slow links carry the least traffic (Narayanan et al., arXiv 2104.04473, §3.3).
 
-Expert parallelism does not add a dimension: it folds over data x context parallelism, as in
-Megatron's MoE "parallel folding" (the expert layers reuse those ranks for a different
-split), so `ep` must divide `dp * cp`.
+Expert parallelism does not add a dimension: it folds over data parallelism, as in Megatron's
+MoE "parallel folding" (the expert layers reuse those ranks for a different split), so `ep`
+must divide `dp` (`expert_groups`).
 
 A single process gets a mesh with every size 1 and no groups; the layers then skip their
 collectives, so the same code runs with and without torch.distributed.
@@ -123,20 +123,44 @@ class ParallelMesh:
         order, because every such line of the mesh gets its own group. None if this rank's
         coordinate along `dim` is not in `members`."""
         key = (dim, tuple(members))
-        if key in self._groups:
-            return self._groups[key]
-        # (..., dim) after moving `dim` last: one row per line of the mesh along it.
+        if key not in self._groups:
+            self._groups[key] = self._new_groups(
+                [[line[i] for i in members] for line in self._lines(dim)]
+            )
+        return self._groups[key]
+
+    def expert_groups(self, ep: int) -> tuple[object, object | None]:
+        """(expert-parallel group, expert-data-parallel group or None) for experts folded
+        over dp (`parallel.expert_parallel`): along each data-parallel line, consecutive
+        runs of `ep` ranks share out the experts, and ranks `ep` apart hold the same ones.
+        A collective, like `subgroup`."""
+        key = ("ep", ep)
+        if key not in self._groups:
+            dp, lines = self.sizes["dp"], self._lines("dp")
+            ep_group = self._new_groups(
+                [line[i : i + ep] for line in lines for i in range(0, dp, ep)]
+            )
+            data_group = None
+            if dp > ep:
+                data_group = self._new_groups([line[j::ep] for line in lines for j in range(ep)])
+            self._groups[key] = (ep_group, data_group)
+        return self._groups[key]
+
+    def _lines(self, dim: str) -> list[list[int]]:
+        """Global ranks of every line of the mesh along `dim` (other coordinates fixed)."""
         grid = self.device_mesh.mesh
         axis = self.order.index(dim)
-        lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])
-        mine = None
-        me = dist.get_rank()
-        for line in lines.tolist():
-            ranks = [line[i] for i in members]
+        return grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
+
+    @staticmethod
+    def _new_groups(rank_lists: list[list[int]]):
+        """Create a group per list (every rank creates all of them, in the same order) and
+        return the one this rank is in, or None."""
+        mine, me = None, dist.get_rank()
+        for ranks in rank_lists:
             group = dist.new_group(ranks)
             if me in ranks:
                 mine = group
-        self._groups[key] = mine
         return mine
 
     def submesh(self, *dims: str):
@@ -172,3 +196,14 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
     return t
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum each tensor in place over `group` with one collective (flatten, all-reduce, copy
+    back); a no-op without a group."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))

@@ -36,7 +36,8 @@ from torch import nn
 from hyperloom.accelerator import norm_accumulator
 from hyperloom.config import TrainConfig
 from hyperloom.parallel import tensor_parallel as tpl
-from hyperloom.parallel.mesh import ParallelMesh
+from hyperloom.parallel.expert_parallel import ExpertParallelism
+from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.train.optim import build_optimizer
 
@@ -115,6 +116,7 @@ class ParallelModel:
     sp_params: list[str] = field(default_factory=list)  # names; see finish_grads
     # ids of parameter copies the gradient norm must not count twice (pipeline replicas)
     norm_skip: frozenset[int] = frozenset()
+    experts: ExpertParallelism | None = None  # expert weights split over ep (MoE models)
 
     @property
     def pipelined(self) -> bool:
@@ -135,6 +137,13 @@ class ParallelModel:
     @property
     def tp_group(self):
         return self.mesh.group("tp")
+
+    def shard_group(self, p: torch.Tensor):
+        """The group a sharded parameter (`shard_spec`) is split over: ep for expert
+        weights, else tp."""
+        if getattr(p, "shard_group", "tp") == "ep":
+            return self.experts.group
+        return self.tp_group
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; vocab-parallel when the head is."""
@@ -172,34 +181,36 @@ class ParallelModel:
                     m.reshard()
 
     def finish_grads(self) -> None:
-        """After backward: sum the sequence-parallel norms' weight gradients over tp."""
+        """After backward: sum the sequence-parallel norms' weight gradients over tp;
+        reduce the expert weights' gradients (which DDP leaves alone) over their replicas."""
+        if self.experts is not None:
+            self.experts.reduce_grads(self.inner)
         group = self.tp_group
         if group is None:
             return
         grads = [self.inner.get_parameter(n).grad for n in self.sp_params]
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        all_reduce_coalesced(grads, group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over the whole layout; scales gradients down to `max_norm`.
 
-        Tensor-parallel shards contribute their squares summed over tp; replicated
-        parameters count once. Under FSDP every dp rank holds a disjoint shard, so the sum
-        also runs over dp. Same formula as `torch.nn.utils.clip_grad_norm_`.
+        Tensor-parallel shards contribute their squares summed over tp, expert weights
+        theirs summed over ep; replicated parameters count once. Under FSDP every dp rank
+        holds a disjoint shard, so the sum also runs over dp. Same formula as
+        `torch.nn.utils.clip_grad_norm_`.
         """
-        sharded, replicated, every = [], [], []
+        sharded, experts, replicated, every = [], [], [], []
         for p in self.inner.parameters():
             if p.grad is None:
                 continue
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             every.append(g)
-            if id(p) not in self.norm_skip:  # a second copy (pipeline) counts once
+            if id(p) in self.norm_skip:  # a second copy (pipeline) counts once
+                continue
+            if getattr(p, "shard_group", None) == "ep":
+                experts.append(g)
+            else:
                 (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
         dev = next(self.inner.parameters()).device
         # Squares are summed in float64: a float32 norm of a 6M-element gradient is off by
@@ -216,6 +227,10 @@ class ParallelModel:
         if self.tp_group is not None:
             dist.all_reduce(sharded_sq, group=self.tp_group)
         total_sq = sharded_sq + sq(replicated)
+        if self.experts is not None:
+            expert_sq = sq(experts)
+            dist.all_reduce(expert_sq, group=self.experts.group)
+            total_sq = total_sq + expert_sq
         if self.zero == 3 and self.mesh.group("dp") is not None:
             dist.all_reduce(total_sq, group=self.mesh.group("dp"))
         if self.mesh.group("pp") is not None:  # each pipeline rank holds other layers
@@ -237,14 +252,19 @@ def _fsdp_no_sync(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, zero: int) -> nn.Module:
+def wrap_data_parallel(
+    model: nn.Module, mesh: ParallelMesh, zero: int, ignore: list[str] = ()
+) -> nn.Module:
     """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1 or
-    zero = 1 (whose optimizer does the data-parallel reduction)."""
+    zero = 1 (whose optimizer does the data-parallel reduction). DDP leaves the parameters
+    named in `ignore` alone (expert weights, reduced over their own replicas)."""
     if mesh.size("dp") == 1 or zero == 1:
         return model
     if zero == 0:
         from torch.nn.parallel import DistributedDataParallel
 
+        if ignore:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return DistributedDataParallel(
             model, process_group=mesh.group("dp"), broadcast_buffers=False, bucket_cap_mb=25
         )
@@ -252,11 +272,31 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, zero: int) -> nn.Mo
 
     # FSDP2 replaces each parameter with a DTensor one; carry the tensor-parallel shard
     # description over so clipping and checkpoints still know which tensors are tp slices.
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
+    attrs = shard_attributes(model)
     dp_mesh = mesh.submesh("dp")
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    for name, spec in specs.items():
-        model.get_parameter(name).shard_spec = spec
+    restore_shard_attributes(model, attrs)
     return model
+
+
+SHARD_ATTRIBUTES = ("shard_spec", "shard_group")
+
+
+def shard_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
+    """Parameter name -> the shard description a parallel layer attached to it. Wrappers
+    (FSDP2) and `to_empty` make new Parameter objects; `restore_shard_attributes` carries the
+    descriptions across by name."""
+    return {
+        n: {a: getattr(p, a) for a in SHARD_ATTRIBUTES if hasattr(p, a)}
+        for n, p in model.named_parameters()
+        if hasattr(p, "shard_spec")
+    }
+
+
+def restore_shard_attributes(model: nn.Module, attrs: dict[str, dict[str, object]]) -> None:
+    for name, values in attrs.items():
+        p = model.get_parameter(name)
+        for a, v in values.items():
+            setattr(p, a, v)

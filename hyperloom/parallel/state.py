@@ -1,8 +1,9 @@
 """Layout-free model and optimizer state: gather shards to full tensors, slice them back.
 
 A checkpoint holds every tensor whole and keyed by parameter name, so it loads into any
-layout (tp, dp, zero, world size) and into a single process: loading slices each tensor for
-the rank's tensor-parallel shard and, under FSDP, distributes it over dp. Gathering costs a
+layout (tp, dp, ep, zero, world size) and into a single process: loading slices each tensor
+for the rank's tensor-parallel shard (or its experts, under ep) and, under FSDP, distributes
+it over dp. Gathering costs a
 full copy on every rank — fine for the models this release trains; the resilience work
 replaces it with sharded `torch.distributed.checkpoint` saves that reshard on load.
 
@@ -57,7 +58,7 @@ def full_model_state(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """Every parameter whole, on CPU (a collective: call on every rank)."""
     return pm.gather_state(
         {
-            name: _full(p, getattr(p, "shard_spec", None), pm.tp_group).cpu()
+            name: _full(p, getattr(p, "shard_spec", None), pm.shard_group(p)).cpu()
             for name, p in pm.state_params()
         }
     )
@@ -109,7 +110,7 @@ def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
             continue
         spec = getattr(param, "shard_spec", None)
         out[name] = {
-            k: (_full(v, spec, pm.tp_group).cpu() if v.dim() > 0 else _local(v).cpu())
+            k: (_full(v, spec, pm.shard_group(param)).cpu() if v.dim() > 0 else _local(v).cpu())
             for k, v in st.items()
         }
     return {"state": pm.gather_state(out)}

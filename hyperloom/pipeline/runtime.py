@@ -37,7 +37,12 @@ from torch import nn
 from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel.mesh import ParallelMesh
-from hyperloom.parallel.parallelize import ParallelModel, apply_tensor_parallel
+from hyperloom.parallel.parallelize import (
+    ParallelModel,
+    apply_tensor_parallel,
+    restore_shard_attributes,
+    shard_attributes,
+)
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.pipeline.comm import add_communication
 from hyperloom.pipeline.executor import PipelineExecutor
@@ -269,10 +274,9 @@ def build_pipeline(
             sp_params += [f"chunks.{c}.{n}" for n in sp]
         chunks[c] = chunk
     model = PipelineChunks(chunks)
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if hasattr(p, "shard_spec")}
+    attrs = shard_attributes(model)
     model.to_empty(device=device)
-    for name, spec in specs.items():
-        model.get_parameter(name).shard_spec = spec
+    restore_shard_attributes(model, attrs)
     for chunk in model.chunks.values():
         chunk.init_weights(cfg.train.seed)
 

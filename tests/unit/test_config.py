@@ -204,19 +204,28 @@ def test_missing_config_file(tmp_path):
         load_config(missing, [])
 
 
-def test_ep_must_divide_dp_times_cp():
-    raw = {"parallel": {"dp": 4, "cp": 2, "ep": 3}}
+def test_expert_parallel_validation():
     with pytest.raises(ConfigError) as info:
-        config_from_dict(raw, world_size=8)
+        config_from_dict({"parallel": {"dp": 4, "ep": 3}}, world_size=4)
     assert (
-        "parallel.ep (3) must divide dp(4) * cp(2) = 8 (experts fold over data x context parallel)"
+        "parallel.ep (3) must divide dp (4): experts fold over the data-parallel ranks"
         in info.value.problems
     )
-    # With ep = 4 the folding is valid; what remains is that cp and ep are not built yet.
+    # A dense model has no experts to split.
+    assert any("needs a Mixture-of-Experts model" in p for p in info.value.problems)
+    moe = {"model": {"preset": "moe-tiny"}}
     with pytest.raises(ConfigError) as info:
-        config_from_dict({"parallel": {"dp": 4, "cp": 2, "ep": 4}}, world_size=8)
-    assert not any("must divide" in p for p in info.value.problems)
-    assert sum("is not built yet" in p for p in info.value.problems) == 2
+        config_from_dict({**moe, "parallel": {"dp": 4, "ep": 4, "zero": 1}}, world_size=4)
+    assert info.value.problems == [
+        "parallel.ep = 4 with parallel.zero = 1 is not built yet: the sharded optimizers "
+        "would mix different ranks' experts; use zero 0 (DDP)"
+    ]
+    with pytest.raises(ConfigError, match=r"n_routed_experts \(16\) must be divisible"):
+        config_from_dict({**moe, "parallel": {"dp": 6, "ep": 6}}, world_size=6)
+    cfg = config_from_dict({**moe, "parallel": {"dp": 4, "ep": 2}}, world_size=4)
+    assert (cfg.parallel.ep, cfg.parallel.ep_dispatcher) == (2, "alltoall")
+    with pytest.raises(ConfigError, match="context parallelism is not built yet"):
+        config_from_dict({"parallel": {"dp": 2, "cp": 2}}, world_size=4)
 
 
 def test_world_size_is_read_from_the_environment(monkeypatch):

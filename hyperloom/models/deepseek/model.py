@@ -48,6 +48,7 @@ from hyperloom.models.llama.model import (
     Llama,
     RMSNorm,
     TransformerBlock,
+    draw_normal,
     param_generator,
     stage_input,
 )
@@ -138,8 +139,7 @@ class DeepSeekV3(nn.Module):
                 p.zero_()
             else:
                 std = out_std if name.endswith(_OUT_PROJ) else c.init_std
-                gen = param_generator(seed, name)
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+                draw_normal(p, param_generator(seed, name), std)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def allocate_cache(

@@ -235,15 +235,7 @@ class Llama(nn.Module):
                 p.fill_(1.0)
                 continue
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else c.init_std
-            # A tensor-parallel shard says which slice of the full tensor it is; drawing the
-            # full tensor and keeping the slice makes every layout start from the weights of
-            # the single-device model. Drawn on CPU so the device's RNG does not matter.
-            spec = getattr(p, "shard_spec", None)  # (dim, index, parts) or None
-            shape = list(p.shape)
-            if spec is not None:
-                shape[spec[0]] *= spec[2]
-            full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-            p.copy_(full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]])
+            draw_normal(p, gen, std)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def materialize(self, device: torch.device, seed: int) -> Llama:
@@ -299,6 +291,23 @@ def stage_input(model: nn.Module, tokens: torch.Tensor, start_pos: int) -> torch
             f"({model.cfg.max_seq_len})"
         )
     return model.tok_embeddings(tokens)
+
+
+@torch.no_grad()
+def draw_normal(p: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Fill `p` with Normal(0, std) drawn from `gen` on CPU, as the whole tensor would be.
+
+    A sharded parameter (tensor-parallel slice, or an expert-parallel rank's experts) says
+    which slice of the full tensor it is; drawing the full tensor and keeping the slice makes
+    every layout start from the weights of the single-device model. Drawn on CPU so the
+    device's RNG does not matter.
+    """
+    spec = getattr(p, "shard_spec", None)  # (dim, index, parts) or None
+    shape = list(p.shape)
+    if spec is not None:
+        shape[spec[0]] *= spec[2]
+    full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    p.copy_(full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]])
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

@@ -1,0 +1,188 @@
+"""Expert parallelism: each rank of an expert-parallel group holds E / ep experts, and the
+tokens routed to an expert travel to the rank that holds it.
+
+**Folding over data parallelism.** `ep` is not a mesh dimension of its own: the expert layers
+reuse the data-parallel ranks with a different split (Megatron-Core's MoE "parallel folding",
+Liu et al., arXiv 2504.14960; DeepSeek-V3 trains EP64 over its DP ranks, arXiv 2412.19437
+§3.1). Along each data-parallel line, consecutive groups of `ep` ranks form an expert-parallel
+group; the ranks holding the *same* experts (stride `ep`) form the expert-data-parallel group
+of size dp / ep. Attention, norms, router and shared experts stay replicated over dp as before.
+
+**Dispatch and combine.** The MoE layer routes and sorts its own tokens exactly as on one
+device (`moe.MoE`): rows of x grouped by global expert id, `counts[e]` rows for expert e. The
+experts module of that layer is swapped for an `ExpertParallelExperts`, which keeps the
+contract "rows for the experts in, their outputs out, same order" and hides the travel:
+
+- **all-to-all** (GShard, arXiv 2006.16668; Megatron's `alltoall` dispatcher; DeepSeek-V3's
+  DeepEP): exchange the per-expert counts (a small all-to-all), send each rank the rows for
+  its experts with one all-to-all of variable splits, regroup the received rows from
+  (source rank, local expert) order to (local expert, source rank) order for one grouped GEMM,
+  and send the outputs back with the inverse all-to-all. Traffic per rank: the routed rows
+  (tokens x top-k x dim) twice in forward and twice in backward, of which (ep - 1) / ep leave
+  the rank.
+- **all-gather** (Megatron's `allgather` dispatcher, which suits a small ep or a large top-k):
+  every rank all-gathers the whole group's routed rows (padded to the longest), runs its local
+  experts on the rows that are theirs, and a reduce-scatter returns each rank the outputs of
+  its own rows (zeros elsewhere, so the sum is exact). More bytes than all-to-all (all rows
+  reach every rank) but only fixed-size collectives.
+
+Both are autograd functions whose backward is the transposed collective, so the expert weights
+receive the gradient of every token routed to them from the whole ep group.
+
+**Gradients.** With data parallelism each rank's loss is the mean over its own rows and DDP
+averages gradients over dp. An expert weight's local gradient already sums the contributions
+of the ep ranks that sent it rows; summing it over the expert-data-parallel group and dividing
+by dp gives exactly the gradient of the one-process loss over the global batch
+(`ExpertParallelism.reduce_grads`). DDP is told to leave the expert weights alone. For the
+global gradient norm the expert weights are disjoint over ep, like tensor-parallel shards are
+over tp.
+
+Checkpoints stay layout-free: an expert weight carries `shard_spec = (0, ep_rank, ep)` and
+`shard_group = "ep"`, so state gathering concatenates the ep ranks' experts into the whole
+(E, out, in) tensor and loading slices it back (`parallel.state`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.models.deepseek.moe import Experts, MoE
+from hyperloom.parallel import tensor_parallel as tpl
+from hyperloom.parallel.mesh import all_reduce_coalesced
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x split `send` ways out, `recv` ways in; backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def _regroup(blocks: torch.Tensor) -> torch.Tensor:
+    """Row permutation that takes rows laid out in blocks (a, b) — blocks[a, b] rows each, a
+    major — to (b, a) order. blocks (A, B) int64 -> (sum,) int64 indices into the rows."""
+    sizes = blocks.flatten()
+    starts = sizes.cumsum(0) - sizes  # (A * B,) first row of each block in (a, b) order
+    sizes_t = blocks.t().flatten()  # (B * A,) block sizes in (b, a) order
+    starts_t = starts.view(blocks.shape).t().flatten()
+    offset = torch.arange(int(sizes_t.sum()), device=blocks.device)
+    offset = offset - (sizes_t.cumsum(0) - sizes_t).repeat_interleave(sizes_t)
+    return starts_t.repeat_interleave(sizes_t) + offset
+
+
+class ExpertParallelExperts(Experts):
+    """This rank's E / ep experts behind the `Experts` contract: rows for all E experts in
+    (grouped by global expert id), their outputs out, in the same order."""
+
+    def __init__(self, experts: Experts, group, ep_rank: int, ep: int, dispatcher: str):
+        n_experts, hidden, dim = experts.w1.shape
+        if n_experts % ep:
+            raise ValueError(f"{n_experts} experts do not split over ep = {ep} ranks")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown expert dispatcher {dispatcher!r}; known: {DISPATCHERS}")
+        super().__init__(n_experts // ep, dim, hidden)  # on the device of `experts` (meta)
+        self.to(experts.w1.device)
+        for p in self.parameters():
+            p.shard_spec = (0, ep_rank, ep)  # this rank's experts: a slice along dim 0
+            p.shard_group = "ep"
+        self.group, self.ep, self.n_local = group, ep, n_experts // ep
+        self.dispatcher = dispatcher
+        self.grouped_mm, self.ops = experts.grouped_mm, experts.ops
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim) holding counts[e] rows for global expert e -> (N, dim)."""
+        if self.dispatcher == "alltoall":
+            return self._all_to_all(x, counts)
+        return self._all_gather(x, counts)
+
+    def _all_to_all(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, local = self.ep, self.n_local
+        send = counts.view(ep, local)  # (ep, local): rows for rank j's l-th expert
+        recv = torch.empty_like(send)  # (ep, local): rows rank j sends for my l-th expert
+        dist.all_to_all_single(recv, send.contiguous(), group=self.group)
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = _AllToAll.apply(x, send_rows, recv_rows, self.group)  # (M, dim), (j, l) order
+        perm = _regroup(recv)  # (M,) -> (l, j) order: one run of rows per local expert
+        out = super().forward(got[perm], recv.sum(0))  # (M, dim)
+        back = torch.empty_like(out).index_copy(0, perm, out)  # (M, dim) in (j, l) order
+        return _AllToAll.apply(back, recv_rows, send_rows, self.group)  # (N, dim)
+
+    def _all_gather(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, local, n = self.ep, self.n_local, x.shape[0]
+        parts = [torch.empty_like(counts) for _ in range(ep)]
+        dist.all_gather(parts, counts.contiguous(), group=self.group)
+        everyone = torch.stack(parts)  # (ep, E): rows each rank holds per expert
+        width = int(everyone.sum(1).max())  # rows of the longest rank: pad everyone to it
+        padded = torch.cat([x, x.new_zeros(width - n, x.shape[1])])  # (width, dim)
+        rows = tpl.gather_seq(padded[None], self.group)[0]  # (ep * width, dim), rank major
+        # Which gathered rows belong to my experts, in (local expert, source rank) order.
+        me = dist.get_rank(self.group)
+        mine = everyone[:, me * local : (me + 1) * local]  # (ep, local) rows per (j, l)
+        before = everyone[:, : me * local].sum(1)  # (ep,) rows of lower experts, per rank
+        base = torch.arange(ep, device=x.device) * width + before  # (ep,) first row of mine
+        take = _shift(mine, base)  # (M,) indices into the gathered rows
+        out = super().forward(rows[take], mine.sum(0))  # (M, dim)
+        scattered = rows.new_zeros(rows.shape).index_copy(0, take, out)  # (ep * width, dim)
+        return tpl.reduce_scatter_seq(scattered[None], self.group)[0][:n]  # (N, dim)
+
+
+def _shift(blocks: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Row indices, in (l, j) order, of blocks (ep, local) that sit consecutively from
+    base[j] in rank j's part of a gathered tensor."""
+    perm = _regroup(blocks)  # indices into the rank-major concatenation of the blocks
+    per_rank = blocks.sum(1)  # (ep,)
+    rank_of = torch.arange(blocks.shape[0], device=blocks.device).repeat_interleave(per_rank)
+    first = per_rank.cumsum(0) - per_rank  # (ep,) where rank j's rows start in the concat
+    return base[rank_of[perm]] + perm - first[rank_of[perm]]
+
+
+@dataclass
+class ExpertParallelism:
+    """What the layout needs to know about the expert weights after they were split."""
+
+    group: object  # the ep group (this rank's experts' peers)
+    data_group: object | None  # ranks holding the same experts (size dp / ep), or None
+    dp: int  # data-parallel size: expert gradients are averaged over the whole of it
+    names: list[str]  # expert parameter names
+
+    def reduce_grads(self, model: nn.Module) -> None:
+        """Expert gradients: summed over the expert-data-parallel group, divided by dp (see
+        the module docstring: then they equal the one-process gradient)."""
+        grads = [model.get_parameter(n).grad for n in self.names]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return
+        all_reduce_coalesced(grads, self.data_group)
+        torch._foreach_mul_(grads, 1.0 / self.dp)
+
+
+def apply_expert_parallel(
+    model: nn.Module, group, data_group, ep_rank: int, ep: int, dp: int, dispatcher: str
+) -> ExpertParallelism:
+    """Swap every MoE layer's experts for this rank's E / ep of them (model on meta)."""
+    names = []
+    for path, module in model.named_modules():
+        if isinstance(module, MoE):
+            module.experts = ExpertParallelExperts(module.experts, group, ep_rank, ep, dispatcher)
+            names.extend(f"{path}.experts.{n}" for n, _ in module.experts.named_parameters())
+    if not names:
+        raise ValueError("parallel.ep > 1 needs a Mixture-of-Experts model (no MoE layer found)")
+    return ExpertParallelism(group, data_group, dp, names)

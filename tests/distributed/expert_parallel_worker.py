@@ -1,0 +1,128 @@
+"""torchrun worker (4 ranks): expert-parallel layouts train exactly like one process.
+
+A small DeepSeek-style MoE (MLA, 8 routed experts top-2 in 2 groups, a shared expert, one MTP
+module, aux-loss-free balancing and the sequence-wise balance loss on) trains 5 AdamW steps
+on a fixed global batch of 8 sequences: once on one process (rank 0, no process group), then
+at dp = 4 with ep = 1, 2 and 4, with both dispatchers. Every layout records each step's loss
+(mean over dp), gradient norm and every gradient gathered whole; rank 0 writes the largest
+relative differences from the one-process run to the JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hyperloom.accelerator import get_accelerator
+from hyperloom.config import load_config
+from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel.mesh import ParallelMesh, exit_worker, parse_order
+from hyperloom.parallel.state import _full
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 128
+MODEL = ["--model.preset", "moe-tiny", "--model.vocab_size", str(VOCAB), "--model.dim", "64",
+         "--model.n_layers", "3", "--model.n_heads", "2", "--model.n_kv_heads", "2",
+         "--model.ffn_dim", "96", "--model.n_routed_experts", "8", "--model.moe_ffn_dim", "32",
+         "--model.moe_n_groups", "2", "--model.moe_topk_groups", "1", "--model.q_lora_rank", "32",
+         "--model.kv_lora_rank", "24", "--model.qk_nope_head_dim", "16",
+         "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16",
+         "--model.moe_bias_rate", "0.01", "--data.seq_len", str(SEQ),
+         "--precision.dtype", "fp32", "--train.device", "cpu", "--train.lr", "3e-3",
+         "--train.grad_clip", "0.5"]  # fmt: skip
+LAYOUTS = [(1, "alltoall"), (2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather")]
+
+
+def train(pm, cfg, rows: slice, tokens: torch.Tensor) -> dict:
+    """STEPS steps on `rows` of each step's global batch; losses, norms, whole gradients."""
+    opt = pm.make_optimizer(cfg.train)
+    dp_group = pm.mesh.group("dp")
+    out = {"loss": [], "norm": [], "grads": []}
+    for step in range(STEPS):
+        batch = tokens[step, rows]  # (rows, seq + 1)
+        loss = pm.module(batch[:, :-1], labels=batch[:, 1:])
+        loss.backward()
+        norm = pm.reduce_and_clip(opt, cfg.train.grad_clip)
+        grads = {}
+        for name, p in pm.inner.named_parameters():
+            if p.grad is not None:
+                grads[name] = _full(p.grad, getattr(p, "shard_spec", None), pm.shard_group(p))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        pm.inner.after_optimizer_step(dp_group)
+        loss = loss.detach()
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dist.get_world_size(dp_group)
+        out["loss"].append(loss.item())
+        out["norm"].append(norm.item())
+        out["grads"].append(grads)
+    return out
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """Largest relative differences: of the losses and norms, and of each gradient tensor
+    (its norm of differences over its norm) over all steps, with the worst tensor's name."""
+    loss = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"], strict=True))
+    norm = max(abs(a - b) / abs(a) for a, b in zip(ref["norm"], got["norm"], strict=True))
+    grad, worst, names = 0.0, "", True
+    for g_ref, g_got in zip(ref["grads"], got["grads"], strict=True):
+        names = names and sorted(g_ref) == sorted(g_got)
+        for n, a in g_ref.items():
+            rel = ((a - g_got[n]).norm() / a.norm().clamp(min=1e-30)).item()
+            if rel > grad:
+                grad, worst = rel, n
+    return {"loss": loss, "norm": norm, "grad": grad, "worst": worst, "same_names": names}
+
+
+def main() -> None:
+    report_path = sys.argv[1]
+    acc = get_accelerator("cpu")
+    init_distributed(acc)
+    # Learnable sequences (t_i = start + stride * i mod VOCAB), so the loss falls and the
+    # comparison is between models that train, not two that sit at chance.
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randint(0, VOCAB, (STEPS, BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (STEPS, BATCH, 1), generator=gen)
+    tokens = (start + stride * torch.arange(SEQ + 1)) % VOCAB  # (steps, batch, seq + 1)
+    ref = None
+    if dist.get_rank() == 0:  # the one-process run: no groups, the whole batch
+        cfg = load_config(None, MODEL, world_size=1)
+        mesh = ParallelMesh(
+            dict.fromkeys(parse_order(cfg.parallel.order), 1), parse_order(cfg.parallel.order)
+        )
+        ref = train(parallelize(cfg, mesh, acc.device), cfg, slice(None), tokens)
+    dist.barrier()
+    report, ep1 = {}, None
+    for ep, dispatcher in LAYOUTS:
+        over = [
+            "--parallel.dp",
+            "4",
+            "--parallel.ep",
+            str(ep),
+            "--parallel.ep_dispatcher",
+            dispatcher,
+        ]
+        cfg = load_config(None, MODEL + over, world_size=4)
+        pm = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device)
+        experts = pm.inner.layers["1"].feed_forward.experts.w1.shape[0]
+        rank = pm.mesh.rank("dp")
+        got = train(pm, cfg, slice(rank * 2, rank * 2 + 2), tokens)
+        ep1 = ep1 or got  # plain data parallelism: what expert parallelism must not change
+        if ref is not None:
+            report[f"ep{ep}-{dispatcher}"] = {
+                **compare(ref, got),
+                "vs_ep1": compare(ep1, got),
+                "local_experts": experts,
+            }
+    if dist.get_rank() == 0:
+        report["reference_loss"] = ref["loss"]
+        with open(report_path, "w") as f:
+            json.dump(report, f, indent=2)
+    exit_worker(0)
+
+
+if __name__ == "__main__":
+    main()

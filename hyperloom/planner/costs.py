@@ -28,8 +28,9 @@ Communication, per layer and micro-batch (`collectives.py` for the link and the 
   x dim BF16 elements (`model.Layer.dispatch_bytes`), times `moe_imbalance` (the busiest
   receiver sets the pace), on the expert-parallel group's link (`collectives.all_to_all_cost`:
   inside a node, or across nodes through each rank's NIC); the runtime may send the dispatch
-  in FP8 (`Runtime.fp8_dispatch`). The all-gather dispatcher instead all-gathers the tokens
-  over ep and reduce-scatters the outputs, each way. With tp > 1 each tensor-parallel rank
+  in FP8 (`Runtime.fp8_dispatch`). The all-gather dispatcher (`parallel/expert_parallel.py`)
+  instead all-gathers the whole group's routed rows (ep x the rank's, padded to the longest:
+  every rank sends exactly tokens x top_k) and reduce-scatters the outputs, each way. With tp > 1 each tensor-parallel rank
   dispatches its 1/tp share and the expert's tp group all-gathers and reduce-scatters the
   routed rows around the expert GEMMs. Neither built-in runtime overlaps any of it
   (``ep_overlap`` 0); under DualPipe `fb_overlap` hides ``dualpipe_ep_overlap`` of it inside
@@ -242,10 +243,10 @@ def expert_parallel_comm(
     micro-batch, before any overlap (module docstring); 0 at ep = 1."""
     if s.ep <= 1 or not layer.moe_fraction or not layer.dispatch_bytes:
         return 0.0, 0.0
-    imb, k = spec.moe_imbalance, max(1, spec.moe_top_k)
+    imb = spec.moe_imbalance
     copies = layer.dispatch_bytes * imb  # what the busiest rank receives per all-to-all
     if s.dispatcher == "allgather":
-        full = s.ep * layer.dispatch_bytes / k  # every rank's tokens, once each
+        full = s.ep * layer.dispatch_bytes  # every rank's routed rows
         one = collective_time("all_gather", s.ep, full, links.ep) + collective_time(
             "reduce_scatter", s.ep, full, links.ep
         )

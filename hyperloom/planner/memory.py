@@ -28,7 +28,7 @@ On top: the transient working set of one backward (a recomputed layer, or the la
 logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weight copies (one
 byte per weight, row- and column-wise), DDP's bucket copy of the gradients, FSDP's gathered
 layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
-receive buffers of the routed copies, or the all-gather dispatcher's gathered tokens and
+receive buffers of the routed copies, or the all-gather dispatcher's gathered rows and
 pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``), and a plan must
 leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and NCCL.
 """
@@ -150,11 +150,11 @@ class LayerMemory:
 def dispatch_buffer(layer: Layer, spec: ModelSpec, s: Strategy) -> float:
     """Bytes of one MoE layer's dispatch buffers under expert parallelism (module docstring):
     the all-to-all's send buffer and the busiest rank's receive buffer, or the all-gather
-    dispatcher's gathered tokens and its outputs before the reduce-scatter."""
+    dispatcher's gathered rows and its outputs before the reduce-scatter."""
     if s.ep <= 1 or not layer.dispatch_bytes:
         return 0.0
     if s.dispatcher == "allgather":
-        return 2.0 * s.ep * layer.dispatch_bytes / max(1, spec.moe_top_k)
+        return 2.0 * s.ep * layer.dispatch_bytes
     return layer.dispatch_bytes * (1.0 + spec.moe_imbalance)
 
 

@@ -29,11 +29,22 @@ Three sources, each reproduced here as data with what we had to assume stated be
    pre-training; we use the whole figure, as quoted), 2048 H800s, sequence 4096, batch up to
    15,360 sequences. Derived MFU = 14.8e12 x 291.85 GFLOP per token (our accounting:
    activated parameters, MTP and full attention) / (2.788e6 x 3600 s x 989.4 TFLOP/s) =
-   0.435 (0.455 on the pre-training hours alone). Their layout (EP 64, PP 16 with DualPipe,
-   no TP, FP8) needs expert parallelism, which the planner does not cost yet; we predict the
-   closest layout it can: TP 8, PP 16, DP 16, ZeRO-1, 1F1B, full recomputation, BF16,
-   `megatron` runtime, the h100 profile with H800's NVLink (400 GB/s both ways, 200 one way).
-   The comparison therefore measures what skipping EP costs, not the model's accuracy.
+   0.435 (0.455 on the pre-training hours alone). Their layout (§3.2): EP 64 over 8 nodes,
+   PP 16 with DualPipe, ZeRO-1 data parallelism (dp 128), no TP, FP8 GEMMs. Assumed: the
+   full batch of 15,360 sequences (the ramp from 3,072 over the first 469B tokens is
+   ignored), micro-batch 1 (120 micro-batches per step), recomputation of the norms and the
+   SwiGLU activation (`norm,mlp_act`: §3.2.3 recomputes RMSNorm and the MLA up-projections,
+   and caches the SwiGLU input), the h100 profile with H800's NVLink (400 GB/s both ways,
+   200 one way; NICs 400 Gb/s per GPU as on H100), the `megatron` runtime's storage and
+   overlap, and `moe_imbalance` 1.25 (no published figure). Three descriptions of the
+   all-to-all, from the plain one to DeepSeek's own (each stated in its row): a plain
+   all-to-all (every routed copy crosses the network, BF16, not overlapped: what hyperloom
+   and Megatron's alltoall dispatcher do); DeepSeek's dispatch (§3.2.2: a token reaches at
+   most 4 nodes and crosses the network once per node, FP8 dispatch, BF16 combine), still
+   not overlapped; and that dispatch hidden entirely inside DualPipe's overlapped
+   forward-and-backward pairs (§3.2.1 reports it "fully overlapped"). The 20 SMs DeepSeek
+   reserves for communication (of 132) are not charged to compute. The ep = 1 row is the
+   closest layout without expert parallelism (TP 8, PP 16, DP 16, 1F1B, full recompute).
 """
 
 from __future__ import annotations
@@ -235,17 +246,69 @@ def llama3_405b(
 DEEPSEEK_V3_MFU = 14.8e12 * 291_847_274_496 / (2.788e6 * 3600 * 989.4e12)  # 0.435
 
 
-def deepseek_v3(fast: bool = True) -> list[tuple[Row, Plan]]:
-    """DeepSeek-V3's derived MFU against the closest layout without EP (docstring item 4)."""
+# DeepSeek-V3's layout (docstring item 4) and the runtimes its all-to-all is costed under.
+DEEPSEEK_V3_LAYOUT = Strategy(
+    tp=1,
+    pp=16,
+    dp=128,
+    ep=64,
+    zero=1,
+    mbs=1,
+    microbatches=120,
+    schedule="dualpipe",
+    recompute="norm,mlp_act",
+    fp8=True,
+)
+DEEPSEEK_V3_RUNTIMES = {
+    "plain all-to-all": {},
+    "DeepSeek dispatch": {"a2a_node_dedup": True, "fp8_dispatch": True},
+    "DeepSeek dispatch, DualPipe overlap": {
+        "a2a_node_dedup": True,
+        "fp8_dispatch": True,
+        "dualpipe_ep_overlap": 1.0,
+    },
+}
+
+
+def deepseek_v3_spec(imbalance: float | None = None) -> ModelSpec:
     from hyperloom.models.registry import preset_config
 
     spec = ModelSpec.from_model_config(preset_config("deepseek-v3"), "deepseek-v3")
-    cluster = Cluster.of("h100", 2048)
-    cluster = replace(cluster, accel=replace(cluster.accel, intra_gbs=200.0))
-    s = Strategy(tp=8, pp=16, dp=16, zero=1, mbs=1, microbatches=960, recompute="full")
-    plan = predict(spec, cluster, s, 4096, "megatron", fast=fast)
-    note = plan.strategy.label() + ("" if plan.fits else " (does not fit)")
-    return [(Row("DeepSeek-V3", "2048 H800, ep 1", "MFU", DEEPSEEK_V3_MFU, plan.mfu, note), plan)]
+    return spec if imbalance is None else replace(spec, moe_imbalance=imbalance)
+
+
+def h800_cluster(gpus: int = 2048) -> Cluster:
+    """The h100 profile with H800's NVLink: 400 GB/s both ways, 200 one way."""
+    cluster = Cluster.of("h100", gpus)
+    return replace(cluster, accel=replace(cluster.accel, intra_gbs=200.0))
+
+
+def deepseek_v3(
+    fast: bool = True,
+    runtime_overrides: dict | None = None,
+    imbalance: float | None = None,
+    with_ep1: bool = True,
+) -> list[tuple[Row, Plan]]:
+    """DeepSeek-V3's derived MFU against its own layout under the three all-to-all
+    descriptions of `DEEPSEEK_V3_RUNTIMES`, and (`with_ep1`) the closest layout without
+    expert parallelism (docstring item 4)."""
+    spec, cluster = deepseek_v3_spec(imbalance), h800_cluster()
+    out = []
+    if with_ep1:
+        s = Strategy(tp=8, pp=16, dp=16, zero=1, mbs=1, microbatches=960, recompute="full")
+        plan = predict(spec, cluster, s, 4096, "megatron", fast=fast)
+        note = plan.strategy.label() + ("" if plan.fits else " (does not fit)")
+        row = Row("DeepSeek-V3", "ep 1, tp 8 (no EP)", "MFU", DEEPSEEK_V3_MFU, plan.mfu, note)
+        out.append((row, plan))
+    for name, extra in DEEPSEEK_V3_RUNTIMES.items():
+        rt = replace(RUNTIMES["megatron"], **{**extra, **(runtime_overrides or {})})
+        plan = predict(spec, cluster, DEEPSEEK_V3_LAYOUT, 4096, rt, fast=fast)
+        note = plan.strategy.label()
+        if not plan.fits:
+            note += f" (does not fit: {plan.reserved_memory / GIB:.0f} GiB reserved)"
+        row = Row("DeepSeek-V3", f"ep 64, {name}", "MFU", DEEPSEEK_V3_MFU, plan.mfu, note)
+        out.append((row, plan))
+    return out
 
 
 # Rows the efficiency factor is fitted on; the others are held out.
@@ -312,8 +375,15 @@ def report_markdown() -> str:
     out.append(_table([r for r, _ in llama3_405b(policies=("none",))], "plan"))
     out.append(f"\n### Llama 3 405B, H100, with the efficiency {eff} fitted on Megatron\n")
     out.append(_table([r for r, _ in llama3_405b({"efficiency": eff})], "plan"))
-    out.append("\n### DeepSeek-V3, H800 (h100 profile, 200 GB/s NVLink), a priori, ep 1\n")
+    out.append("\n### DeepSeek-V3, H800 (h100 profile, 200 GB/s NVLink), a priori\n")
     out.append(_table([r for r, _ in deepseek_v3()], "plan"))
+    out.append(f"\n### DeepSeek-V3 with the efficiency {eff} fitted on Megatron\n")
+    fitted_ds = deepseek_v3(runtime_overrides={"efficiency": eff}, with_ep1=False)
+    out.append(_table([r for r, _ in fitted_ds], "plan"))
+    for imb in (1.0, 1.5):
+        out.append(f"\n### DeepSeek-V3, a priori, moe_imbalance {imb}\n")
+        rows = deepseek_v3(imbalance=imb, with_ep1=False)
+        out.append(_table([r for r, _ in rows], "plan"))
     return "\n".join(out)
 
 

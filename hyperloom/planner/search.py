@@ -30,6 +30,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -108,6 +109,12 @@ class SearchResult:
             "configs_per_s": self.configs_per_s,
             "rejected": dict(self.rejected),
         }
+
+
+def _reason(why: str) -> str:
+    """A `check` message without its numbers, to count rejections by kind."""
+    text = re.sub(r"\s*\([^)]*\)", "", why).split(" = ")[0].split(":")[0]
+    return text.strip()[:48]
 
 
 def _divisors(n: int) -> list[int]:
@@ -200,7 +207,7 @@ def search(
         enumerated += 1
         why = check(s, spec, seq, cluster.gpus)
         if why:
-            rejected["invalid: " + why.split(" (")[0].split(":")[0][:40]] += 1
+            rejected["invalid: " + _reason(why)] += 1
             continue
         valid += 1
         prep = prepare(spec, cluster, s, seq, rt)
@@ -227,6 +234,11 @@ def search(
             heapq.heappush(best, item)
         elif plan.step_time < -best[0][0]:
             heapq.heapreplace(best, item)
+    if not valid:
+        raise PlanError(
+            f"no valid strategy for {spec.name} on {cluster.gpus} x {cluster.accel.name}: "
+            f"{enumerated} points, rejected {dict(rejected)}"
+        )
     if not best:
         raise PlanError(
             f"no strategy for {spec.name} on {cluster.gpus} x {cluster.accel.name} fits in "

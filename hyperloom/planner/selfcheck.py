@@ -58,6 +58,7 @@ def job_strategy(
         dp=par.dp,
         cp=par.cp,
         ep=par.ep,
+        dispatcher=getattr(par, "ep_dispatcher", "alltoall"),
         zero=par.zero,
         sp=par.sp,
         order=par.order,

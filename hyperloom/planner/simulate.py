@@ -198,17 +198,14 @@ def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks):
     return layers, tuple(params), tuple(experts)
 
 
-def fb_overlap(one: Phase, s: Strategy, rt: Runtime) -> float:
+def fb_overlap(work: Phase, rt: Runtime) -> float:
     """`pipeline.Costs.fb_overlap` for DualPipe: the share of an overlapped forward-and-
-    backward pair left after ``dualpipe_ep_overlap`` of the expert-parallel communication
-    hides behind the other micro-batch's work (DeepSeek-V3 §3.2.1), from the mean layer;
-    1 for every other schedule and runtime."""
-    if s.schedule not in ("dualpipe", "dualpipev") or not rt.dualpipe_ep_overlap:
+    backward pair left after ``dualpipe_ep_overlap`` of the expert-parallel communication in
+    `work` hides behind the other micro-batch's work (DeepSeek-V3 §3.2.1)."""
+    total = work.total
+    if not rt.dualpipe_ep_overlap or not work.ep_comm or not total:
         return 1.0
-    total = one.total
-    if not one.ep_comm or not total:
-        return 1.0
-    hidden = rt.dualpipe_ep_overlap * min(one.ep_comm, total - one.ep_comm)
+    hidden = rt.dualpipe_ep_overlap * min(work.ep_comm, total - work.ep_comm)
     return 1.0 - hidden / total
 
 
@@ -283,7 +280,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         b[i] += ph.b
         w[i] += ph.w
     act = 2.0 * s.mbs * seq / s.cp * spec.dim / (s.tp if s.sp and s.tp > 1 else 1)
-    return Prepared(
+    prep = Prepared(
         strategy=s,
         layers=layers,
         params=params,
@@ -297,8 +294,13 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         links=links,
         rank_chunks=rank_chunks,
         p2p=collective_time("p2p", 2, act, links.pp),
-        fb_overlap=fb_overlap(one, s, rt),
     )
+    if s.schedule in ("dualpipe", "dualpipev") and rt.dualpipe_ep_overlap and one.ep_comm:
+        # One factor serves every pair (`Costs` has one): the busiest rank's, so the rank
+        # that sets the step is exact and the others hide slightly less than they could.
+        busiest = max((prep.rank_phase(r) for r in range(s.pp)), key=lambda ph: ph.total)
+        return dataclasses.replace(prep, fb_overlap=fb_overlap(busiest, rt))
+    return prep
 
 
 def memory_per_rank(
@@ -329,6 +331,13 @@ def memory_per_rank(
     ]
 
 
+def chunk_passes(s: Strategy) -> float:
+    """Micro-batches that pass through each of a rank's chunks per step: all of them, except
+    under DualPipe, where half enter from each end, so each of a rank's two chunks (its own
+    and the copy) sees m/2."""
+    return s.microbatches / 2 if s.schedule == "dualpipe" else s.microbatches
+
+
 def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> float:
     """A step time no replay of the schedule can beat.
 
@@ -341,7 +350,7 @@ def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> f
     split = s.schedule in ("zb-h1", "zb-v", "dualpipev")
     m = s.microbatches
     back = prep.b if split else prep.b + prep.w
-    busy = m * prep.rank_sum(prep.f + prep.b + prep.w)
+    busy = chunk_passes(s) * prep.rank_sum(prep.f + prep.b + prep.w)
     if prep.fb_overlap != 1.0:  # an F&B pair is no shorter than fb_overlap x its parts
         busy = busy * prep.fb_overlap
     bound = busy
@@ -411,6 +420,7 @@ def predict(
 
     acc = effective_accelerator(cluster, rt)
     finish, parts, busy_all = [], [], 0.0
+    m = chunk_passes(s)
     for rank in range(s.pp):
         p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
         e_rank = sum(prep.experts[c] for c in prep.rank_chunks[rank])

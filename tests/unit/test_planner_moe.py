@@ -81,6 +81,7 @@ def test_deepseek_v3_published_point_is_under_predicted_without_ep():
     from hyperloom.planner.published import DEEPSEEK_V3_MFU, deepseek_v3
 
     assert DEEPSEEK_V3_MFU == pytest.approx(0.435, abs=5e-4)
-    ((row, plan),) = deepseek_v3()
+    (row, plan), *_ = deepseek_v3()
+    assert row.case == "ep 1, tp 8 (no EP)"
     assert 0.10 < row.predicted < 0.25 and -0.8 < row.error < -0.4
     assert plan.fits

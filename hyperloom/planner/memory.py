@@ -29,8 +29,9 @@ logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weigh
 byte per weight, row- and column-wise), DDP's bucket copy of the gradients, FSDP's gathered
 layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
 receive buffers of the routed copies, or the all-gather dispatcher's gathered rows and
-pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``), and a plan must
-leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and NCCL.
+pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``),
+and a plan must leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and
+NCCL.
 """
 
 from __future__ import annotations

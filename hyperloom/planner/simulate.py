@@ -14,6 +14,12 @@ This is the glue. For a model, a cluster, a strategy and a runtime it
    optimizer step; the step time is the latest rank;
 4. sizes each rank's memory with the peak in-flight and W-pending counts of the replay.
 
+Under DualPipe an overlapped forward-and-backward pair may hide expert-parallel all-to-all
+time (`Runtime.dualpipe_ep_overlap`, 0 unless a runtime claims it): the replay then charges
+each pair ``fb_overlap`` x its parts (`fb_overlap`, from the busiest rank), while unpaired
+actions pay in full. DualPipe's ranks each hold two chunks that see m/2 micro-batches apiece
+(`chunk_passes`), which the busy-time breakdown and the search's lower bound use.
+
 MFU is model FLOPs (`ModelSpec.model_flops_per_token`, the Megatron/PaLM convention with the
 full attention matrix, recomputation not counted) per second over the BF16 dense peak, with
 or without FP8.

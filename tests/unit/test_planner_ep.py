@@ -395,3 +395,17 @@ def test_cli_plans_deepseek_v3_with_ep(tmp_path, capsys):
     plans = json.loads(out.read_text())["plans"]
     assert plans and all(p["strategy"]["ep"] == 64 and " ep64 " in p["label"] for p in plans)
     assert all(p["breakdown_s"]["ep_comm"] > 0 for p in plans)
+
+
+def test_training_self_check_plans_the_jobs_expert_parallelism():
+    from hyperloom.planner.cli import load_job
+    from hyperloom.planner.selfcheck import job_strategy, self_check
+
+    args = ["--model.preset=moe-tiny", "--data.seq_len=256", "--parallel.dp=2"]
+    job = load_job(None, [*args, "--parallel.ep=2"])
+    assert job_strategy(job).ep == 2
+    with_ep = self_check(job, ACCELERATORS["h100"], 2, 0.5, 2e9)
+    without = self_check(load_job(None, args), ACCELERATORS["h100"], 2, 0.5, 2e9)
+    assert "plan_error" not in with_ep, with_ep
+    parts, ref = with_ep["predicted_memory_gib_by_part"], without["predicted_memory_gib_by_part"]
+    assert parts["params"] < ref["params"]  # half the routed experts per rank

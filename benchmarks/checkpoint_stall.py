@@ -22,6 +22,7 @@ baseline's blocks. Results go to benchmarks/results/checkpoint_stall.json.
 
     python benchmarks/checkpoint_stall.py                 # ~1 min on 2 CPU cores
     python benchmarks/checkpoint_stall.py --blocks 3 --dim 256
+    python benchmarks/checkpoint_stall.py --format sharded  # DCP: every rank its shards
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def job(run_dir: Path, args: argparse.Namespace, async_save: bool) -> list[str]:
         "logging.self_check": "off",
         "checkpoint.keep": 2,
         "checkpoint.async_save": str(async_save).lower(),
+        "checkpoint.format": args.format,
         "resilience.on_anomaly": "none",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
@@ -85,8 +87,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--every", type=int, default=8, help="steps between saves")
     p.add_argument("--blocks", type=int, default=3, help="blocks per mode")
-    p.add_argument("--json", default=str(ROOT / "benchmarks/results/checkpoint_stall.json"))
+    p.add_argument("--format", choices=["whole", "sharded"], default="whole")
+    p.add_argument("--json", help="default benchmarks/results/checkpoint_stall[_sharded].json")
     args = p.parse_args()
+    suffix = "_sharded" if args.format == "sharded" else ""
+    args.json = args.json or str(ROOT / f"benchmarks/results/checkpoint_stall{suffix}.json")
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HYPERLOOM_OPS_COMPILE", "0")
 

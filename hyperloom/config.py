@@ -242,6 +242,12 @@ class CheckpointConfig:
     async_save: bool = knob(
         False, "stage a CPU copy and write it in a background thread while training goes on"
     )
+    format: str = knob(
+        "whole",
+        "whole = gathered tensors, one safetensors file by the main rank; sharded = every rank "
+        "writes its own shards (torch.distributed.checkpoint), resharded on load",
+        choices=["whole", "sharded"],
+    )
 
 
 @dataclass(frozen=True)

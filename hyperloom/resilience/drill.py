@@ -56,8 +56,11 @@ def _fail(what: str, proc: subprocess.CompletedProcess) -> DrillError:
 
 
 def corrupt(ckpt_dir: Path) -> str:
-    """Flip one byte in the middle of a checkpoint's weights; returns what was done."""
+    """Flip one byte in the middle of a checkpoint's weights (a sharded checkpoint: of rank
+    0's shard file); returns what was done."""
     f = ckpt_dir / "model.safetensors"
+    if not f.is_file():
+        f = ckpt_dir / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -158,9 +161,9 @@ def run_drill(
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
+    from hyperloom.train.checkpoint import load_model_state
 
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    wa, wb = load_model_state(a), load_model_state(b)  # either checkpoint format
     return list(wa) == list(wb) and all(wa[k].equal(wb[k]) for k in wa)
 
 

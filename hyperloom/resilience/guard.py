@@ -12,7 +12,8 @@ resilience:
 
 Every decision is identical on every rank: the checked values are all-reduced first, and
 the checkpoint a rollback returns to is chosen from the shared file system by every rank
-alike. Only the main rank writes events and checkpoints.
+alike. Only the main rank writes events and checkpoints (with `checkpoint.format = "sharded"`,
+every rank writes its own shards and the main rank commits them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import EventLog
 from hyperloom.resilience.inject import FaultInjector
 from hyperloom.resilience.policy import RecoveryPolicy, TrainingHalted
+from hyperloom.resilience.sharded import ShardedCheckpointWriter
 from hyperloom.resilience.watchdog import (
     RestartLoopError,
     Watchdog,
@@ -58,7 +60,8 @@ class Guard:
             r.on_anomaly, r.stable_steps, r.max_rollbacks, r.rollback_window
         )
         self.inject = FaultInjector(r.inject, self.run_dir, mesh.global_rank)
-        self.writer = CheckpointWriter(self.run_dir, c.keep, c.async_save, self._save_failed)
+        writer = ShardedCheckpointWriter if c.format == "sharded" else CheckpointWriter
+        self.writer = writer(self.run_dir, c.keep, c.async_save, self._save_failed)
         self.watchdog = Watchdog(r.watchdog_s, self.run_dir, mesh.global_rank, self._hung)
         self._pending: tuple[Anomaly, str, int | None] | None = None
 

@@ -120,12 +120,7 @@ def save_checkpoint(
     Checkpoints at the steps in `protect` (the last stable one) survive pruning.
     `after_first_file` runs once the weights are on disk (a drill kills the process there).
     """
-    root = checkpoint_root(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = fresh_staging_dir(run_dir, step)
     # safetensors wants contiguous tensors that do not share storage (the caller's copies:
     # hyperloom.resilience.checkpoint.stage). Each file is hashed as it is written and
     # fsynced, rather than read back for its SHA-256 afterwards.
@@ -139,8 +134,55 @@ def save_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     hashes["train_state.pt"] = hashing.sha256.hexdigest()
-    for name, content in extra_files.items():
-        hashes[name] = _write(tmp / name, content.encode() if isinstance(content, str) else content)
+    hashes.update(write_files(tmp, extra_files))
+    return commit(run_dir, step, hashes, meta, keep, protect)
+
+
+def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of `step` is written before its commit: `step_N.tmp/`."""
+    return checkpoint_root(run_dir) / f"step_{step:08d}.tmp"
+
+
+def fresh_staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """An empty `step_N.tmp/` (what an earlier, interrupted save of `step` left is removed)."""
+    tmp = staging_dir(run_dir, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_files(directory: Path, files: dict[str, str | bytes]) -> dict[str, str]:
+    """Write each file durably; returns name -> SHA-256."""
+    return {
+        name: _write(directory / name, content.encode() if isinstance(content, str) else content)
+        for name, content in files.items()
+    }
+
+
+def hash_files(directory: Path, pattern: str = "*", skip=()) -> dict[str, str]:
+    """SHA-256 of the files in `directory` matching `pattern`, except those named in `skip`,
+    read back from disk: for files that DCP wrote (hyperloom.resilience.sharded)."""
+    return {
+        f.name: _sha256(f)
+        for f in sorted(directory.glob(pattern))
+        if f.is_file() and f.name not in skip
+    }
+
+
+def commit(
+    run_dir: str | os.PathLike,
+    step: int,
+    hashes: dict[str, str],
+    meta: dict[str, Any],
+    keep: int,
+    protect: frozenset[int] = frozenset(),
+) -> Path:
+    """Publish `step_N.tmp/`, whose files are all written and fsynced: write the commit
+    record `meta.json` (with the SHA-256 manifest) last, rename the directory into place,
+    fsync the parent, then prune to the newest `keep` (sparing the steps in `protect`)."""
+    root = checkpoint_root(run_dir)
+    tmp, final = staging_dir(run_dir, step), root / f"step_{step:08d}"
     hashes = dict(sorted(hashes.items()))
     # The commit record, written last: without it the directory is not a checkpoint.
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sha256": hashes}, indent=2))
@@ -181,7 +223,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory, or a run directory (its newest checkpoint)."""
     p = Path(path)
-    if (p / "meta.json").is_file() and (p / "model.safetensors").is_file():
+    weights = (p / "model.safetensors").is_file() or (p / ".metadata").is_file()  # or sharded
+    if (p / "meta.json").is_file() and weights:
         return p
     latest = latest_checkpoint(p)
     if latest is None:
@@ -225,6 +268,11 @@ def latest_verified(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]
 
 
 def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole weights, from either format (a sharded one is read in this process alone)."""
+    if (ckpt / ".metadata").is_file():
+        from hyperloom.resilience.sharded import load_full
+
+        return load_full(ckpt)[0]
     return load_file(str(ckpt / "model.safetensors"))
 
 

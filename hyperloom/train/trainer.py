@@ -39,6 +39,7 @@ from hyperloom.parallel.state import (
 )
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
+from hyperloom.resilience.sharded import is_sharded, load_sharded_state, sharded_state
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.optim import lr_at
 from hyperloom.train.report import Reporter, write_summary
@@ -116,13 +117,18 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def save(self, last_loss: float | None, wait: bool = False) -> Path:
-        """Checkpoint with whole tensors (a collective; the main rank writes, maybe in the
-        background: `wait` returns only once it is committed)."""
-        model_state = full_model_state(self.pm)
+        """Checkpoint (a collective), maybe in the background: `wait` returns only once it is
+        committed. Whole tensors the main rank writes, or every rank's shards (sharded)."""
+        sharded = self.cfg.checkpoint.format == "sharded"
+        if sharded:  # model and optimizer tensors both in DCP's state (resilience.sharded)
+            model_state, optimizer = sharded_state(self.pm, self.optimizer), None
+        else:
+            model_state = full_model_state(self.pm)
+            optimizer = full_optimizer_state(self.pm, self.optimizer)
         train_state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "optimizer": full_optimizer_state(self.pm, self.optimizer),
+            "optimizer": optimizer,
             "loader": self.loader.state_dict(),
             "rng": self._per_rank(ckpt.rng_state(self.acc.rng_state())),
             "layout": self.mesh.describe(),
@@ -130,18 +136,21 @@ class Trainer:
             "resilience": self.guard.state_dict(),  # LR scale after rollbacks, spike stats
         }
         path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
+        files = {}
         if self.mesh.is_main:
             tok_json = self.run_dir / ".tokenizer.json"
             self.data.tokenizer.save(tok_json)
+            files = {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()}
+            tok_json.unlink()
+        if self.mesh.is_main or sharded:
             path = self.guard.save(
                 self.step,
                 model_state,
                 train_state,
-                {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()},
+                files,
                 {"tokens_seen": self.tokens_seen, "loss": last_loss},
                 wait=wait,
             )
-            tok_json.unlink()
         self._barrier()
         return path
 
@@ -162,8 +171,11 @@ class Trainer:
         """Restore everything a verified checkpoint holds (also a resilience rollback)."""
         state = ckpt.load_train_state(path)
         try:
-            load_full_model_state(self.pm, ckpt.load_model_state(path))
-            load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
+            if is_sharded(path):  # DCP reshards into this layout
+                load_sharded_state(self.pm, self.optimizer, path)
+            else:
+                load_full_model_state(self.pm, ckpt.load_model_state(path))
+                load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
             load_fp8_state_dict(self.model, state.get("fp8", {}))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ckpt.CheckpointError(

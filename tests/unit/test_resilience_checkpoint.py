@@ -26,6 +26,7 @@ from hyperloom.data import ResumableLoader
 from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import json_events
 from hyperloom.resilience.inject import CRASH_EXIT
+from hyperloom.resilience.sharded import ShardedCheckpointWriter
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.trainer import Trainer
 
@@ -174,11 +175,12 @@ def test_a_broken_latest_checkpoint_is_never_loaded(kind, reference, tiny_job_ar
     assert fallback is None  # the Reporter did not exist yet: events.log has it, told at once
 
 
-def test_kill_during_save_leaves_the_previous_checkpoint_latest(tmp_path):
+@pytest.mark.parametrize("writer_cls", [CheckpointWriter, ShardedCheckpointWriter])
+def test_kill_during_save_leaves_the_previous_checkpoint_latest(writer_cls, tmp_path):
     state = {"w": torch.arange(4.0)}
     for async_save in (False, True):
         root = tmp_path / str(async_save)
-        writer = CheckpointWriter(root, keep=2, async_save=async_save)
+        writer = writer_cls(root, keep=2, async_save=async_save)
         writer.save(2, state, {"step": 2}, {}, {})
         writer.wait()
 

@@ -1,0 +1,389 @@
+"""Sharded checkpoints through `torch.distributed.checkpoint` (DCP): every rank writes its own.
+
+`checkpoint.format = "sharded"` replaces the whole-tensor checkpoint (hyperloom/train/
+checkpoint.py: every rank gathers full tensors, the main rank writes one safetensors file)
+with one where each rank writes only what it holds, so a save costs no gather and no rank
+needs room for the whole model.
+
+**What each rank hands DCP.** A flat dict `model/<name>` and `optimizer/<name>/<key>` of
+tensors that describe *the global tensor* and this rank's piece of it:
+
+- a tensor-parallel shard (`p.shard_spec = (dim, index, parts)`) becomes a DTensor on the
+  tensor-parallel sub-mesh with placement `Shard(dim)` (`DTensor.from_local`, no copy); an
+  expert-parallel one (`p.shard_group == "ep"`) the same on a mesh over the ep group;
+- an FSDP2 parameter (zero 3) is a DTensor over dp already and goes in as it is (with tp as
+  well, its dp shards are gathered first: the pair of placements is FSDP's strided one);
+- a replicated tensor goes in plain; DCP's planner picks one of its replicas to write it;
+- ZeRO-1 keeps its Adam moments as one flat buffer cut at arbitrary parameter boundaries,
+  which is no tensor's shard, so they go in the per-parameter form `state_by_param` gives
+  (gathered over dp, then tp-sharded like the parameter);
+- a pipeline rank hands in only the parameters it reports (`state_params`), so the stages
+  together hold each name once.
+
+DCP then records every piece's offsets in its `.metadata`, and **loading reshards**: a rank
+of any other layout (tp, pp, dp, zero, world size) asks for the pieces it needs, as DTensors
+or plain tensors, and DCP reads exactly the overlapping bytes; one process with no process
+group loads whole tensors (`load_full`), which is also how `hyperloom generate` and the
+converters read a sharded checkpoint. Non-tensor state (step, data position, every rank's RNG
+streams, FP8 scaling state, resilience state) is small and goes, as in the whole format, into
+`train_state.pt` written by the main rank.
+
+**Why DCP.** It is PyTorch's own format for exactly this (torchtitan uses it): it knows
+DTensor placements, dedups replicas, writes one file per rank, and its load planner does the
+resharding arithmetic that would otherwise be ours to get right for every pair of layouts.
+
+**Commit protocol: ours, not DCP's.** DCP's commit record is its `.metadata`, written by the
+coordinator after the others reported their writes (REFERENCE §5.1); it has no checksums and
+expects an empty directory. We keep the protocol of the whole format around it:
+
+1. the main rank empties `step_N.tmp/`, every rank waits for it (barrier);
+2. every rank writes its shards with DCP into `step_N.tmp/` (fsynced); asynchronously,
+   `dcp.async_save` stages a CPU copy and writes it in a background thread while training
+   goes on, and a commit thread of ours waits on its future;
+3. every rank hashes the files it wrote (SHA-256) and all ranks exchange (ok, hashes): this
+   is the collective agreement that every rank has finished;
+4. only if every rank succeeded, the main rank writes `train_state.pt`, `config.toml`,
+   `tokenizer.json`, hashes those and DCP's `.metadata`, writes `meta.json` (the manifest)
+   last, renames `step_N.tmp/` to `step_N/`, fsyncs the parent and prunes to the newest
+   `checkpoint.keep` (train/checkpoint.py `commit`, shared with the whole format);
+5. the main rank tells every rank whether it committed, so a failure is reported everywhere.
+
+A rank killed anywhere before step 4 leaves `step_N.tmp/`, which is never loaded; "latest"
+is the newest directory with a `meta.json` whose files all match it (`latest_verified`). The
+collectives of background saves run on their own gloo process group, so they never interleave
+with the training loop's collectives on the default one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from hyperloom.parallel.parallelize import ParallelModel
+from hyperloom.parallel.zero1 import ZeroOneAdamW
+from hyperloom.resilience.checkpoint import CheckpointWriter
+from hyperloom.train import checkpoint as ckpt
+
+log = logging.getLogger("hyperloom.resilience")
+
+MODEL, OPTIMIZER = "model/", "optimizer/"
+
+# One process saves and loads without a process group on purpose (single-device runs,
+# `hyperloom generate`); DCP would warn on every call that it assumes so.
+warnings.filterwarnings(
+    "ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning
+)
+
+
+def is_sharded(path: Path) -> bool:
+    """A checkpoint directory written by DCP (the sharded format)."""
+    return (Path(path) / ".metadata").is_file()
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class _Layout:
+    """How this rank's tensors sit inside the global ones (see the module doc)."""
+
+    def __init__(self, pm: ParallelModel) -> None:
+        self.pm = pm
+        self._ep_mesh = None
+
+    def shard_mesh(self, p: torch.Tensor):
+        """The 1-D mesh a sharded parameter is split over: tp, or ep for expert weights."""
+        if getattr(p, "shard_group", "tp") != "ep":
+            return self.pm.mesh.submesh("tp")
+        if self._ep_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            kind = self.pm.mesh.device_mesh.device_type
+            self._ep_mesh = DeviceMesh.from_group(self.pm.experts.group, kind)
+        return self._ep_mesh
+
+    def global_view(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`t` (parameter `p` or a moment shaped like it) as DCP should see it."""
+        spec = getattr(p, "shard_spec", None)
+        t = t.detach()
+        if spec is None:
+            return t  # replicated, or an FSDP2 DTensor over dp
+        if isinstance(t, DTensor):  # FSDP2 x tp: this rank's tp piece, whole over dp
+            t = t.full_tensor()
+        return DTensor.from_local(t, self.shard_mesh(p), [Shard(spec[0])], run_check=False)
+
+    def empty_like(self, p: torch.Tensor) -> torch.Tensor:
+        """A load target laid out like `global_view(p)`."""
+        spec = getattr(p, "shard_spec", None)
+        if spec is None:
+            return torch.empty_like(p.detach())
+        # p.shape is this rank's tp piece (for an FSDP2 DTensor: its shape over dp).
+        local = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        return DTensor.from_local(local, self.shard_mesh(p), [Shard(spec[0])], run_check=False)
+
+
+@torch.no_grad()
+def _fill(dst: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Copy a loaded `value` (laid out by `_Layout.empty_like`) into `dst`; returns `dst`."""
+    if isinstance(value, DTensor) and not isinstance(dst, DTensor):
+        value = value.to_local()  # a tp piece into a plain parameter
+    elif isinstance(dst, DTensor) and value.shape != dst.shape:
+        piece = value.to_local() if isinstance(value, DTensor) else value
+        value = distribute_tensor(piece, dst.device_mesh, dst.placements)  # FSDP2 x tp
+    if isinstance(dst, DTensor):
+        dst.to_local().copy_(value.to_local())
+    else:
+        dst.copy_(value)
+    return dst
+
+
+def _optimizer_params(opt) -> list[torch.nn.Parameter]:
+    if isinstance(opt, ZeroOneAdamW):
+        return opt.params
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _per_param_state(opt) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+    if isinstance(opt, ZeroOneAdamW):
+        return opt.state_by_param()  # a collective over dp
+    return {p: opt.state.get(p, {}) for p in _optimizer_params(opt)}
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).cpu()
+
+
+# --------------------------------------------------------------------------- state
+
+
+def sharded_state(pm: ParallelModel, opt) -> dict[str, torch.Tensor]:
+    """This rank's model and optimizer state as DCP's flat dict (a collective under ZeRO-1)."""
+    lay = _Layout(pm)
+    out = {f"{MODEL}{name}": lay.global_view(p, p) for name, p in pm.state_params()}
+    names = {id(p): (n, p) for n, p in pm.local_params()}
+    reported = {id(p) for _, p in pm.state_params()}
+    for p, st in _per_param_state(opt).items():
+        if id(p) not in reported:  # another copy of this parameter reports it
+            continue
+        name, param = names[id(p)]
+        for k, v in st.items():
+            key = f"{OPTIMIZER}{name}/{k}"
+            out[key] = _scalar(v) if v.dim() == 0 else lay.global_view(v, param)
+    return out
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    shape, spec = list(p.shape), getattr(p, "shard_spec", None)
+    if spec is not None:
+        shape[spec[0]] *= spec[2]
+    return tuple(shape)
+
+
+@torch.no_grad()
+def load_sharded_state(pm: ParallelModel, opt, path: Path) -> None:
+    """Load a sharded checkpoint into this rank's parameters and optimizer, whatever layout
+    wrote it (a collective: every rank of the job calls it)."""
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    lay = _Layout(pm)
+    copies: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+    for name, p in pm.local_params():
+        copies[name].append(p)
+    in_ckpt = {k[len(MODEL) :] for k in saved if k.startswith(MODEL)}
+    missing = set(copies) - in_ckpt
+    unexpected = set() if pm.pipelined else in_ckpt - set(copies)
+    if missing or unexpected:
+        raise KeyError(
+            f"state does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    targets: dict[str, torch.Tensor] = {}
+    for name, (p, *_) in copies.items():
+        size = tuple(saved[MODEL + name].size)
+        if size != _full_shape(p):
+            raise ValueError(f"{name}: checkpoint has shape {size}, model needs {_full_shape(p)}")
+        targets[MODEL + name] = lay.empty_like(p)
+    names = {id(p): n for n, p in pm.local_params()}
+    moments: dict[str, dict[str, str]] = defaultdict(dict)  # name -> key -> DCP key
+    for key in saved:
+        if key.startswith(OPTIMIZER):
+            name, _, k = key[len(OPTIMIZER) :].rpartition("/")
+            moments[name][k] = key
+    for p in _optimizer_params(opt):
+        name = names[id(p)]
+        if not moments.get(name) and isinstance(opt, ZeroOneAdamW):
+            raise KeyError(f"optimizer state has no entry for {name}")
+        for key in moments.get(name, {}).values():
+            scalar = len(saved[key].size) == 0
+            targets[key] = (
+                torch.empty((), dtype=saved[key].properties.dtype)
+                if scalar
+                else (lay.empty_like(p))
+            )
+    _load(targets, reader)
+
+    for name, ps in copies.items():
+        for p in ps:
+            _fill(p, targets[MODEL + name])
+    per_param = {}
+    for p in _optimizer_params(opt):
+        name = names[id(p)]
+        entry = {}
+        for k, key in moments.get(name, {}).items():
+            v = targets[key]
+            entry[k] = v if v.dim() == 0 else _fill(torch.empty_like(p.detach()), v)
+        per_param[p] = entry
+    if isinstance(opt, ZeroOneAdamW):
+        opt.load_state_by_param(per_param)
+        return
+    for group in opt.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            entry = per_param[p]
+            if "step" in entry:  # Adam's step counter: on the device for fused kernels
+                entry["step"] = entry["step"].to(p.device) if on_device else entry["step"]
+            if entry:
+                opt.state[p] = entry
+            else:
+                opt.state.pop(p, None)
+
+
+def _load(targets: dict[str, torch.Tensor], reader, no_dist: bool = False) -> None:
+    """`dcp.load` in place; one process (`no_dist`, or no process group) reads alone."""
+    no_dist = no_dist or not (dist.is_available() and dist.is_initialized())
+    dcp.load(targets, storage_reader=reader, no_dist=no_dist)
+
+
+def load_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a sharded checkpoint whole, in this process alone (no collective):
+    (model state, optimizer state as `{"state": {name: {key: tensor}}}`)."""
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    targets = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in saved.items()
+        if hasattr(m, "size")
+    }
+    _load(targets, reader, no_dist=True)
+    model = {k[len(MODEL) :]: v for k, v in targets.items() if k.startswith(MODEL)}
+    state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, v in targets.items():
+        if key.startswith(OPTIMIZER):
+            name, _, k = key[len(OPTIMIZER) :].rpartition("/")
+            state[name][k] = v
+    return dict(sorted(model.items())), {"state": dict(state)}
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class ShardedCheckpointWriter(CheckpointWriter):
+    """`CheckpointWriter` for the sharded format: every rank calls `save` with its own
+    `sharded_state`; the main rank's `train_state` and `extra_files` join the checkpoint.
+
+    Create it on every rank at the same point (it makes the process group of its saves)."""
+
+    def __init__(self, run_dir: Path, keep: int, async_save: bool, on_failure=None) -> None:
+        super().__init__(run_dir, keep, async_save, on_failure)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self.rank = dist.get_rank() if self.distributed else 0
+
+    def save(
+        self,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        train_state: dict[str, Any],
+        extra_files: dict[str, str | bytes],
+        meta: dict[str, Any],
+        protect: frozenset[int] = frozenset(),
+        after_first_file: Callable[[], None] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> Path:
+        start = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        if self.rank == 0:
+            ckpt.fresh_staging_dir(self.run_dir, step)
+            buf = io.BytesIO()
+            torch.save(train_state, buf)  # small; serialised now, before training moves on
+            extra_files = {**extra_files, "train_state.pt": buf.getvalue()}
+        if self.distributed:
+            dist.barrier(group=self.group)  # the directory exists and is empty
+        writer = dcp.FileSystemWriter(str(ckpt.staging_dir(self.run_dir, step)), sync_files=True)
+        kw = dict(storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
+        finish = (step, extra_files, meta, protect, after_first_file)
+        if self.async_save:
+            future = dcp.async_save(model_state, **kw)  # staged to CPU when it returns
+            self._thread = threading.Thread(
+                target=self._finish,
+                args=(future.result, *finish),
+                name=f"hyperloom-dcp-{step}",
+                daemon=True,
+            )
+            self._thread.start()
+        else:
+            self._finish(lambda: dcp.save(model_state, **kw), *finish)
+            self._raise_pending()
+        self.stall_s.append(time.perf_counter() - start)
+        return ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+
+    def _finish(
+        self,
+        upload: Callable[[], Any],
+        step: int,
+        files: dict[str, str | bytes],
+        meta: dict[str, Any],
+        protect: frozenset[int],
+        after_first_file: Callable[[], None] | None,
+    ) -> None:
+        """Steps 2-5 of the protocol (module doc), on every rank."""
+        tmp = ckpt.staging_dir(self.run_dir, step)
+        error: BaseException | None = None
+        hashes: dict[str, str] = {}
+        try:
+            upload()
+            if after_first_file is not None:
+                after_first_file()
+            # Each rank hashes the shard files it wrote (in parallel); the main rank the rest.
+            hashes = ckpt.hash_files(tmp, f"__{self.rank}_*.distcp")
+        except BaseException as exc:  # noqa: BLE001 - agreed on below, then reported
+            error = exc
+        reports = self._gather((error is None, hashes))
+        committed = None
+        if self.rank == 0 and error is None:
+            failed = [r for r, (ok, _) in enumerate(reports) if not ok]
+            if failed:
+                error = ckpt.CheckpointError(f"ranks {failed} did not finish writing their shards")
+            else:
+                try:
+                    for _, h in reports:
+                        hashes.update(h)
+                    hashes.update(ckpt.write_files(tmp, files))
+                    hashes.update(ckpt.hash_files(tmp, skip=hashes))  # DCP's .metadata
+                    committed = ckpt.commit(self.run_dir, step, hashes, meta, self.keep, protect)
+                except BaseException as exc:  # noqa: BLE001 - told to every rank below
+                    error = exc
+        if not self._gather(committed is not None)[0] and error is None:
+            error = ckpt.CheckpointError("the main rank did not commit it")
+        if error is not None:
+            self._error = (step, error)
+        else:
+            self.last_committed = ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+
+    def _gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out

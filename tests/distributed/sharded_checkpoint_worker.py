@@ -1,0 +1,80 @@
+"""torchrun worker (4 ranks): sharded (DCP) checkpoints written at tp2 x dp2 load at dp4.
+
+Trainer A (tp 2 x dp 2, ZeRO-1, `checkpoint.format = "sharded"`, asynchronous saves) trains
+4 steps and checkpoints at steps 2 and 4: every rank writes its own shards. Its whole-tensor
+state (what the whole format would hold: `full_model_state`, `full_optimizer_state`) is the
+reference, written by rank 0 to OUT/reference.pt. Trainers B (dp 4, FSDP2) and C (dp 4,
+ZeRO-1) load the step-4 checkpoint, which DCP reshards into their layout, and gather their
+whole state again; rank 0 writes the names of the tensors that differ to OUT/report.json.
+The caller loads the same checkpoint in one process (no process group) on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest.tiny_job
+
+from conftest import tiny_job  # noqa: E402
+
+from hyperloom.config import load_config  # noqa: E402
+from hyperloom.parallel.mesh import exit_worker  # noqa: E402
+from hyperloom.parallel.state import full_model_state, full_optimizer_state  # noqa: E402
+from hyperloom.train.trainer import Trainer  # noqa: E402
+
+COMMON = dict(
+    train__steps=4,
+    checkpoint__every=2,
+    checkpoint__keep=3,
+    checkpoint__format="sharded",
+    checkpoint__async_save=True,
+)
+
+
+def trainer(run_dir: Path, **layout) -> Trainer:
+    return Trainer(load_config(None, tiny_job(run_dir, **COMMON, **layout), world_size=4))
+
+
+def whole(t: Trainer) -> dict[str, torch.Tensor]:
+    """Model and optimizer state, flattened to name -> whole tensor (a collective)."""
+    out = {f"model/{k}": v for k, v in full_model_state(t.pm).items()}
+    for name, entry in full_optimizer_state(t.pm, t.optimizer)["state"].items():
+        out.update({f"optimizer/{name}/{k}": v for k, v in entry.items()})
+    return out
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    run = out / "run"
+    a = trainer(run, parallel__tp=2, parallel__dp=2, parallel__zero=1)
+    a.run()
+    reference = whole(a)
+    stall = a.guard.writer.stall_s
+    report: dict = {"tensors": len(reference), "stall_s": stall}
+    step4 = run / "checkpoints" / "step_00000004"
+    for name, layout in (("dp4_fsdp", dict(parallel__dp=4, parallel__zero=3)),
+                         ("dp4_zero1", dict(parallel__dp=4, parallel__zero=1))):  # fmt: skip
+        t = trainer(out / name, **layout)
+        start = time.perf_counter()
+        t.load_checkpoint(step4)
+        report[f"load_s_{name}"] = time.perf_counter() - start
+        got = whole(t)
+        report[f"step_{name}"] = t.step
+        report[f"same_names_{name}"] = sorted(got) == sorted(reference)
+        report[f"differ_{name}"] = sorted(
+            k for k in reference if k in got and not torch.equal(reference[k], got[k])
+        )
+    if dist.get_rank() == 0:
+        torch.save(reference, out / "reference.pt")
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+    exit_worker(0)
+
+
+if __name__ == "__main__":
+    main()

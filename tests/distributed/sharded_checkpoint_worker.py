@@ -1,12 +1,14 @@
-"""torchrun worker (4 ranks): sharded (DCP) checkpoints written at tp2 x dp2 load at dp4.
+"""torchrun worker (4 ranks): sharded (DCP) checkpoints written at tp2 x dp2 load anywhere.
 
 Trainer A (tp 2 x dp 2, ZeRO-1, `checkpoint.format = "sharded"`, asynchronous saves) trains
 4 steps and checkpoints at steps 2 and 4: every rank writes its own shards. Its whole-tensor
 state (what the whole format would hold: `full_model_state`, `full_optimizer_state`) is the
-reference, written by rank 0 to OUT/reference.pt. Trainers B (dp 4, FSDP2) and C (dp 4,
-ZeRO-1) load the step-4 checkpoint, which DCP reshards into their layout, and gather their
-whole state again; rank 0 writes the names of the tensors that differ to OUT/report.json.
-The caller loads the same checkpoint in one process (no process group) on its own.
+reference, written by rank 0 to OUT/reference.pt. Trainers of other layouts (dp 4 under FSDP2
+and ZeRO-1, tp 2 x dp 2 under FSDP2, pp 2 x tp 2) load the step-4 checkpoint, which DCP
+reshards into their layout, and gather their whole state again. Two of them then save in
+their own layout (FSDP2 DTensors, FSDP2 x tp) and a third layout loads that: the way back.
+Rank 0 writes the names of the tensors that differ to OUT/report.json. The caller loads the
+step-4 checkpoint in one process (no process group) on its own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,18 @@ COMMON = dict(
 )
 
 
+DP4_ZERO1 = ("dp4_zero1", dict(parallel__dp=4, parallel__zero=1))
+TP2_DP2_ZERO1 = ("tp2_dp2_zero1", dict(parallel__tp=2, parallel__dp=2, parallel__zero=1))
+LAYOUTS = [  # (name, layout, None or the layout that loads what this one saves)
+    ("dp4_fsdp", dict(parallel__dp=4, parallel__zero=3), TP2_DP2_ZERO1),
+    (*DP4_ZERO1, None),
+    ("tp2_dp2_fsdp", dict(parallel__tp=2, parallel__dp=2, parallel__zero=3), DP4_ZERO1),
+    ("pp2_tp2", dict(parallel__pp=2, parallel__tp=2), DP4_ZERO1),
+]
+
+
 def trainer(run_dir: Path, **layout) -> Trainer:
+    run_dir.mkdir(parents=True, exist_ok=True)  # Trainer.run() would; some only load/save
     return Trainer(load_config(None, tiny_job(run_dir, **COMMON, **layout), world_size=4))
 
 
@@ -57,12 +70,10 @@ def main() -> None:
     reference = whole(a)
     stall = a.guard.writer.stall_s
     report: dict = {"tensors": len(reference), "stall_s": stall}
-    step4 = run / "checkpoints" / "step_00000004"
-    for name, layout in (("dp4_fsdp", dict(parallel__dp=4, parallel__zero=3)),
-                         ("dp4_zero1", dict(parallel__dp=4, parallel__zero=1))):  # fmt: skip
-        t = trainer(out / name, **layout)
+
+    def check(name: str, t: Trainer, path: Path) -> None:
         start = time.perf_counter()
-        t.load_checkpoint(step4)
+        t.load_checkpoint(path)
         report[f"load_s_{name}"] = time.perf_counter() - start
         got = whole(t)
         report[f"step_{name}"] = t.step
@@ -70,6 +81,14 @@ def main() -> None:
         report[f"differ_{name}"] = sorted(
             k for k in reference if k in got and not torch.equal(reference[k], got[k])
         )
+
+    step4 = run / "checkpoints" / "step_00000004"
+    for name, layout, back in LAYOUTS:
+        t = trainer(out / name, **layout)
+        check(name, t, step4)
+        if back is not None:  # save in this layout, load in another
+            saved = t.save(None, wait=True)
+            check(f"{name}_to_{back[0]}", trainer(out / f"{name}-back", **back[1]), saved)
     if dist.get_rank() == 0:
         torch.save(reference, out / "reference.pt")
         (out / "report.json").write_text(json.dumps(report, indent=1))

@@ -204,8 +204,13 @@ class Guard:
         )
 
     def latest_checkpoint(self) -> Path | None:
-        """Newest committed checkpoint that verifies; each one passed over is an event."""
-        path, rejected = ckpt.latest_verified(self.run_dir)
+        """Newest committed checkpoint that verifies; each one passed over is an event. The
+        main rank reads and hashes the files and tells the others (a collective)."""
+        path, rejected = ckpt.latest_verified(self.run_dir) if self.main else (None, [])
+        if self.world > 1:
+            box = [(path, rejected)]
+            dist.broadcast_object_list(box, src=0)
+            path, rejected = box[0]
         for why in rejected:
             self.events.emit(
                 "checkpoint_fallback",

@@ -7,8 +7,10 @@ reference, written by rank 0 to OUT/reference.pt. Trainers of other layouts (dp 
 and ZeRO-1, tp 2 x dp 2 under FSDP2, pp 2 x tp 2) load the step-4 checkpoint, which DCP
 reshards into their layout, and gather their whole state again. Two of them then save in
 their own layout (FSDP2 DTensors, FSDP2 x tp) and a third layout loads that: the way back.
-Rank 0 writes the names of the tensors that differ to OUT/report.json. The caller loads the
-step-4 checkpoint in one process (no process group) on its own.
+Then the same for expert parallelism: a small MoE trained 2 steps at dp 4 x ep 2 (each rank holds
+half of the experts) loads at ep 4 and ep 1. Rank 0 writes the names of the tensors that differ
+to OUT/report.json. The caller loads the step-4 checkpoint in one process (no process group)
+on its own.
 """
 
 from __future__ import annotations
@@ -49,9 +51,33 @@ LAYOUTS = [  # (name, layout, None or the layout that loads what this one saves)
 ]
 
 
+MOE = dict(
+    model__family="deepseek",
+    model__n_layers=3,
+    model__n_heads=2,
+    model__n_kv_heads=2,
+    model__ffn_dim=96,
+    model__n_dense_layers=1,
+    model__n_routed_experts=8,
+    model__moe_top_k=2,
+    model__moe_ffn_dim=32,
+    model__q_lora_rank=32,
+    model__kv_lora_rank=24,
+    model__qk_nope_head_dim=16,
+    model__qk_rope_head_dim=8,
+    model__v_head_dim=16,
+    model__moe_bias_rate=0.01,
+    parallel__dp=4,
+    train__steps=2,
+    train__eval_batches=1,
+)
+EP_LAYOUTS = [("ep4", dict(parallel__ep=4)), ("ep1", dict(parallel__ep=1))]
+
+
 def trainer(run_dir: Path, **layout) -> Trainer:
     run_dir.mkdir(parents=True, exist_ok=True)  # Trainer.run() would; some only load/save
-    return Trainer(load_config(None, tiny_job(run_dir, **COMMON, **layout), world_size=4))
+    args = tiny_job(run_dir, **{**COMMON, **layout})
+    return Trainer(load_config(None, args, world_size=4))
 
 
 def whole(t: Trainer) -> dict[str, torch.Tensor]:
@@ -71,7 +97,7 @@ def main() -> None:
     stall = a.guard.writer.stall_s
     report: dict = {"tensors": len(reference), "stall_s": stall}
 
-    def check(name: str, t: Trainer, path: Path) -> None:
+    def check(name: str, t: Trainer, path: Path, reference: dict = reference) -> None:
         start = time.perf_counter()
         t.load_checkpoint(path)
         report[f"load_s_{name}"] = time.perf_counter() - start
@@ -89,6 +115,14 @@ def main() -> None:
         if back is not None:  # save in this layout, load in another
             saved = t.save(None, wait=True)
             check(f"{name}_to_{back[0]}", trainer(out / f"{name}-back", **back[1]), saved)
+
+    moe = trainer(out / "ep2", **MOE, parallel__ep=2)
+    moe.run()
+    moe_reference = whole(moe)
+    report["moe_tensors"] = len(moe_reference)
+    step2 = out / "ep2" / "checkpoints" / "step_00000002"
+    for name, layout in EP_LAYOUTS:
+        check(f"moe_{name}", trainer(out / name, **MOE, **layout), step2, moe_reference)
     if dist.get_rank() == 0:
         torch.save(reference, out / "reference.pt")
         (out / "report.json").write_text(json.dumps(report, indent=1))

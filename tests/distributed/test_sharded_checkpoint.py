@@ -4,7 +4,8 @@ One torchrun launch of 4 ranks (`sharded_checkpoint_worker.py`): a tp2 x dp2 (Ze
 saves asynchronously with `checkpoint.format = "sharded"`, every rank writing its shards;
 dp4 under FSDP2 and under ZeRO-1, tp2 x dp2 under FSDP2 and pp2 x tp2 load the checkpoint
 and must hold exactly the whole-tensor state the writer held (what the whole format would
-have saved); three of them save it again in their layout and another layout loads that. Here, in one process with no
+have saved); three of them save it again in their layout and another layout loads that. A
+small MoE saved at dp4 x ep2 loads at ep4 and ep1 exactly too. Here, in one process with no
 process group, the same checkpoint must load bitwise too, and a corrupted shard or a missing
 DCP `.metadata` must never be loaded: the previous committed checkpoint is, and the user is
 told.
@@ -46,8 +47,9 @@ def test_sharded_save_at_tp2_dp2_loads_at_dp4_bitwise(launched):
     assert report["tensors"] > 80  # 21 parameters: weights, exp_avg, exp_avg_sq, step
     layouts = ["dp4_fsdp", "dp4_zero1", "tp2_dp2_fsdp", "pp2_tp2"]
     layouts += ["dp4_fsdp_to_tp2_dp2_zero1", "tp2_dp2_fsdp_to_dp4_zero1", "pp2_tp2_to_dp4_zero1"]
+    layouts += ["moe_ep4", "moe_ep1"]  # a MoE saved at dp4 x ep2 (experts split over ep)
     for layout in layouts:
-        assert report[f"step_{layout}"] == 4
+        assert report[f"step_{layout}"] == (2 if layout.startswith("moe") else 4)
         assert report[f"same_names_{layout}"], layout
         assert report[f"differ_{layout}"] == [], layout
     step4 = launched / "run" / "checkpoints" / "step_00000004"

@@ -57,7 +57,6 @@ with the training loop's collectives on the default one.
 from __future__ import annotations
 
 import io
-import logging
 import threading
 import time
 import warnings
@@ -75,8 +74,6 @@ from hyperloom.parallel.parallelize import ParallelModel
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.train import checkpoint as ckpt
-
-log = logging.getLogger("hyperloom.resilience")
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
 
@@ -190,6 +187,33 @@ def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _check_model(copies: dict[str, list[torch.Tensor]], saved: dict, pipelined: bool) -> None:
+    """The checkpoint holds every parameter of this rank, whole-shaped as the model needs."""
+    in_ckpt = {k[len(MODEL) :] for k in saved if k.startswith(MODEL)}
+    missing = set(copies) - in_ckpt
+    # A pipeline rank holds a part of the model: the rest of the state is other ranks'.
+    unexpected = set() if pipelined else in_ckpt - set(copies)
+    if missing or unexpected:
+        raise KeyError(
+            f"state does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    for name, (p, *_) in copies.items():
+        size = tuple(saved[MODEL + name].size)
+        if size != _full_shape(p):
+            raise ValueError(f"{name}: checkpoint has shape {size}, model needs {_full_shape(p)}")
+
+
+def _moment_keys(saved: dict) -> dict[str, dict[str, str]]:
+    """Parameter name -> optimizer state key (exp_avg, step, ...) -> DCP key."""
+    moments: dict[str, dict[str, str]] = defaultdict(dict)
+    for key in saved:
+        if key.startswith(OPTIMIZER):
+            name, _, k = key[len(OPTIMIZER) :].rpartition("/")
+            moments[name][k] = key
+    return moments
+
+
 @torch.no_grad()
 def load_sharded_state(pm: ParallelModel, opt, path: Path) -> None:
     """Load a sharded checkpoint into this rank's parameters and optimizer, whatever layout
@@ -200,62 +224,46 @@ def load_sharded_state(pm: ParallelModel, opt, path: Path) -> None:
     copies: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
     for name, p in pm.local_params():
         copies[name].append(p)
-    in_ckpt = {k[len(MODEL) :] for k in saved if k.startswith(MODEL)}
-    missing = set(copies) - in_ckpt
-    unexpected = set() if pm.pipelined else in_ckpt - set(copies)
-    if missing or unexpected:
-        raise KeyError(
-            f"state does not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    targets: dict[str, torch.Tensor] = {}
-    for name, (p, *_) in copies.items():
-        size = tuple(saved[MODEL + name].size)
-        if size != _full_shape(p):
-            raise ValueError(f"{name}: checkpoint has shape {size}, model needs {_full_shape(p)}")
-        targets[MODEL + name] = lay.empty_like(p)
-    names = {id(p): n for n, p in pm.local_params()}
-    moments: dict[str, dict[str, str]] = defaultdict(dict)  # name -> key -> DCP key
-    for key in saved:
-        if key.startswith(OPTIMIZER):
-            name, _, k = key[len(OPTIMIZER) :].rpartition("/")
-            moments[name][k] = key
-    for p in _optimizer_params(opt):
-        name = names[id(p)]
-        if not moments.get(name) and isinstance(opt, ZeroOneAdamW):
-            raise KeyError(f"optimizer state has no entry for {name}")
-        for key in moments.get(name, {}).values():
-            scalar = len(saved[key].size) == 0
-            targets[key] = (
-                torch.empty((), dtype=saved[key].properties.dtype)
-                if scalar
-                else (lay.empty_like(p))
-            )
+    _check_model(copies, saved, pm.pipelined)
+    # Load targets laid out for this rank, then copied into every parameter copy.
+    targets = {MODEL + name: lay.empty_like(p) for name, (p, *_) in copies.items()}
+    names, in_ckpt = {id(p): n for n, p in pm.local_params()}, _moment_keys(saved)
+    moments = {p: in_ckpt.get(names[id(p)], {}) for p in _optimizer_params(opt)}
+    for p, keys in moments.items():
+        if not keys and isinstance(opt, ZeroOneAdamW):
+            raise KeyError(f"optimizer state has no entry for {names[id(p)]}")
+        for key in keys.values():
+            scalar = len(saved[key].size) == 0  # Adam's step counter
+            dtype = saved[key].properties.dtype
+            targets[key] = torch.empty((), dtype=dtype) if scalar else lay.empty_like(p)
     _load(targets, reader)
-
     for name, ps in copies.items():
         for p in ps:
             _fill(p, targets[MODEL + name])
-    per_param = {}
-    for p in _optimizer_params(opt):
-        name = names[id(p)]
-        entry = {}
-        for k, key in moments.get(name, {}).items():
-            v = targets[key]
-            entry[k] = v if v.dim() == 0 else _fill(torch.empty_like(p.detach()), v)
-        per_param[p] = entry
+    state = {
+        p: {
+            k: targets[key] if targets[key].dim() == 0 else _fill(torch.empty_like(p), targets[key])
+            for k, key in keys.items()
+        }
+        for p, keys in moments.items()
+    }
+    _restore_optimizer(opt, state)
+
+
+def _restore_optimizer(opt, state: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
+    """Give each parameter its loaded state, this rank's piece, shaped like the parameter."""
     if isinstance(opt, ZeroOneAdamW):
-        opt.load_state_by_param(per_param)
+        opt.load_state_by_param(state)
         return
     for group in opt.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
-            entry = per_param[p]
-            if "step" in entry:  # Adam's step counter: on the device for fused kernels
-                entry["step"] = entry["step"].to(p.device) if on_device else entry["step"]
+            entry = state[p]
+            if "step" in entry and on_device:  # the fused kernels keep it on the device
+                entry["step"] = entry["step"].to(p.device)
             if entry:
                 opt.state[p] = entry
-            else:
+            else:  # saved before the first step
                 opt.state.pop(p, None)
 
 

@@ -127,6 +127,17 @@ BAD: dict[str, tuple[str | None, list[str], str]] = {
         "data.val_fraction must lie strictly between 0 and 1, got 1.0",
     ),
     "beta_out_of_range": (None, ["--train.beta2", "1"], "train.beta2 must lie in [0, 1), got 1.0"),
+    "dropout_out_of_range": (None, ["--model.dropout", "1"], "model.dropout must lie in [0, 1)"),
+    "dropout_with_tensor_parallel": (
+        None,
+        ["--model.dropout", "0.1", "--parallel.tp", "2"],
+        "model.dropout = 0.1 with parallel.tp = 2 is not supported",
+    ),
+    "unknown_checkpoint_format": (
+        None,
+        ["--checkpoint.format", "dcp"],
+        "checkpoint.format = 'dcp' is not one of: 'whole', 'sharded'",
+    ),
     "rope_scaling_below_one": (
         None,
         ["--model.rope_scaling", "0.5"],

@@ -852,12 +852,11 @@ def _moe_problems(cfg: JobConfig) -> list[str]:
         return out
     if par.ep > 1:
         out.extend(_expert_parallel_problems(cfg))
-    for key in ("tp", "pp"):
-        if getattr(par, key) > 1:
-            out.append(
-                f"parallel.{key} = {getattr(par, key)} with model.family = 'deepseek': "
-                f"{key} for MoE/MLA models is not built yet; use dp (zero 0 or 1)"
-            )
+    if par.tp > 1:
+        out.append(
+            f"parallel.tp = {par.tp} with model.family = 'deepseek': tensor parallelism of "
+            f"MLA and MoE layers is not built yet; use dp, ep and pp"
+        )
     if par.zero == 3 and par.dp > 1:
         out.append(
             "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "

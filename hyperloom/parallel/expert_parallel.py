@@ -175,14 +175,22 @@ class ExpertParallelism:
 
 
 def apply_expert_parallel(
-    model: nn.Module, group, data_group, ep_rank: int, ep: int, dp: int, dispatcher: str
+    model: nn.Module,
+    group,
+    data_group,
+    ep_rank: int,
+    ep: int,
+    dp: int,
+    dispatcher: str,
+    partial: bool = False,
 ) -> ExpertParallelism:
-    """Swap every MoE layer's experts for this rank's E / ep of them (model on meta)."""
+    """Swap every MoE layer's experts for this rank's E / ep of them (model on meta).
+    `partial`: the model is a pipeline chunk, which may hold no MoE layer."""
     names = []
     for path, module in model.named_modules():
         if isinstance(module, MoE):
             module.experts = ExpertParallelExperts(module.experts, group, ep_rank, ep, dispatcher)
             names.extend(f"{path}.experts.{n}" for n, _ in module.experts.named_parameters())
-    if not names:
+    if not names and not partial:
         raise ValueError("parallel.ep > 1 needs a Mixture-of-Experts model (no MoE layer found)")
     return ExpertParallelism(group, data_group, dp, names)

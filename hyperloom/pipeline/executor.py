@@ -7,7 +7,9 @@
   activation received from the previous stage's rank or handed over in memory by a stage on
   this rank. The output is kept for the backward. A pipe's last stage is called with the
   labels and returns the loss (`module(x, labels=y)`, so a fused head never materialises the
-  logits), scaled so the step's gradient is the mean over micro-batches.
+  logits), scaled so the step's gradient is the mean over micro-batches. A stage before the
+  last may also leave a loss term of its own (`side_loss()`: MoE auxiliary balance losses),
+  added to the micro-batch's loss and to its backward, as Megatron's aux-loss auto-scaler does.
 - ``BW`` / ``B``: autograd from the kept output with the gradient received from the next stage
   (or the loss). The gradient of the stage input goes back to the previous stage. ``B`` runs
   under a `WeightGradStore` so linear layers queue their weight gradients; ``W`` runs them.
@@ -150,6 +152,10 @@ class PipelineExecutor:
         labels = self._labels[m] if nxt is None else None
         with self.forward_context(), mode or contextlib.nullcontext():
             out = self.stages[s](feed, labels=labels)
+            side = _side_loss(self.stages[s]) if nxt is not None else None
+        if side is not None:  # e.g. MoE balance losses of a stage before the last
+            side = side * self._loss_scale
+            self._loss += side.detach().float()
         if nxt is None:  # the pipe's last stage: out is the micro-batch's mean loss
             out = out * self._loss_scale
             self._loss += out.detach().float()
@@ -158,10 +164,10 @@ class PipelineExecutor:
         else:
             self._outbox[(ActionKind.SEND_F, s, m)] = out.detach().to(self.act_dtype)
         if self._train:
-            self._saved[(s, m)] = (x, out)
+            self._saved[(s, m)] = (x, out, side)
 
     def _backward(self, s: int, m: int, split: bool) -> None:
-        x, out = self._saved.pop((s, m))
+        x, out, side = self._saved.pop((s, m))
         nxt = self.schedule.next_stage(s)
         if nxt is None:
             grad = None  # out is the loss
@@ -171,7 +177,10 @@ class PipelineExecutor:
             grad = self._received.pop((ActionKind.RECV_B, s, m))
         collect = self.store.collect((s, m)) if split else contextlib.nullcontext()
         with collect:
-            torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+            if side is None:
+                torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+            else:  # the stage's own loss term joins the gradient arriving from downstream
+                torch.autograd.backward([out, side], [grad.to(out.dtype), None])
         if x is None:
             return  # a first stage: token ids have no gradient
         prev = self.schedule.prev_stage(s)
@@ -205,3 +214,10 @@ class PipelineExecutor:
         if recvs:
             for work in dist.batch_isend_irecv(recvs):
                 work.wait()
+
+
+def _side_loss(stage: torch.nn.Module) -> torch.Tensor | None:
+    """A loss term the stage's forward computed besides its output (MoE auxiliary balance
+    losses on a stage before the last: `side_loss()`), or None."""
+    side_loss = getattr(stage, "side_loss", None)
+    return side_loss() if side_loss is not None else None

@@ -36,7 +36,8 @@ from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.models.registry import build_model, family
-from hyperloom.parallel.mesh import ParallelMesh
+from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
+from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
 from hyperloom.parallel.parallelize import (
     ParallelModel,
     apply_tensor_parallel,
@@ -70,15 +71,48 @@ def layer_ranges(n_layers: int, n_chunks: int, counts: Sequence[int] = ()) -> li
 class PipelineChunks(nn.Module):
     """This rank's model chunks, keyed by chunk index (names `chunks.C.<global name>`)."""
 
-    def __init__(self, chunks: dict[int, nn.Module]):
+    def __init__(self, chunks: dict[int, nn.Module], pp_group=None):
         super().__init__()
         self.chunks = nn.ModuleDict({str(c): m for c, m in sorted(chunks.items())})
+        self.pp_group = pp_group
+        self.expert_load: dict[str, float] = {}  # MoE: the whole model's, every pp rank's
 
     def use_ops(self, impls) -> PipelineChunks:
         """Select the operator implementations of every chunk (see `Llama.use_ops`)."""
         for chunk in self.chunks.values():
             chunk.use_ops(impls)
         return self
+
+    def after_optimizer_step(self, group=None) -> dict[str, float]:
+        """Each chunk's balancing step (MoE models; see `DeepSeekV3.after_optimizer_step`),
+        then the per-layer expert loads of every pipeline rank merged (a collective over pp).
+
+        Under DualPipe a layer has a copy on two pipeline ranks, each of which routed half of
+        the micro-batches: the copies' expert counts are summed first, so both move their
+        routing bias by the step's whole load, as the one-device model does."""
+        if self.pp_group is not None:
+            moe = {
+                name: m
+                for chunk in self.chunks.values()
+                for name, m in getattr(chunk, "moe_layers", dict)().items()
+                if m.counts is not None
+            }
+            parts: list[dict | None] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(
+                parts, {n: m.counts for n, m in moe.items()}, group=self.pp_group
+            )
+            for name, m in moe.items():
+                m.counts = sum(part[name] for part in parts if part and name in part)
+        loads: dict[str, float] = {}
+        for chunk in self.chunks.values():
+            step = getattr(chunk, "after_optimizer_step", None)
+            if step is not None:
+                loads.update(step(group))
+        if self.pp_group is not None:
+            dist.all_gather_object(parts, loads, group=self.pp_group)
+            loads = {k: v for part in parts for k, v in (part or {}).items()}
+        self.expert_load = loads
+        return loads
 
     def global_names(self) -> list[tuple[str, nn.Parameter, int]]:
         """(name in the whole model, parameter, chunk) for every parameter copy here."""
@@ -205,17 +239,15 @@ class PipelineModel(ParallelModel):
                 offset += self.copies[n][0].numel()
 
     def _dp_mean_grads(self) -> None:
+        """Average the gradients over dp (expert weights were reduced over their own
+        replicas in `finish_grads`)."""
         group = self.mesh.group("dp")
         if group is None:
             return
-        grads = [self._grad(p) for p in self.inner.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= self.mesh.size("dp")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        experts = set(self.experts.names) if self.experts is not None else set()
+        grads = [self._grad(p) for n, p in self.inner.named_parameters() if n not in experts]
+        all_reduce_coalesced(grads, group)
+        torch._foreach_div_(grads, self.mesh.size("dp"))
 
     # ------------------------------------------------------------------ state
 
@@ -266,14 +298,21 @@ def build_pipeline(
             holders[n].add((schedule.placement[s], chunk_of[s]))
 
     mine = sorted({chunk_of[s] for s in schedule.stages_of(pp_rank)})
-    chunks, sp_params = {}, []
+    chunks, sp_params, expert_names = {}, [], []
+    ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
     for c in mine:
         chunk = cut(c)
         if tp > 1:
             sp = apply_tensor_parallel(chunk, fam.tp_plan, tp_group, par.sp, partial=True)
             sp_params += [f"chunks.{c}.{n}" for n in sp]
+        if ep_groups is not None:
+            ep = apply_expert_parallel(
+                chunk, *ep_groups, mesh.rank("dp") % par.ep, par.ep, mesh.size("dp"),
+                par.ep_dispatcher, partial=True,
+            )  # fmt: skip
+            expert_names += [f"chunks.{c}.{n}" for n in ep.names]
         chunks[c] = chunk
-    model = PipelineChunks(chunks)
+    model = PipelineChunks(chunks, mesh.group("pp") if cfg.model.n_routed_experts else None)
     attrs = shard_attributes(model)
     model.to_empty(device=device)
     restore_shard_attributes(model, attrs)
@@ -323,4 +362,9 @@ def build_pipeline(
         shared_groups=shared,
         owned=owned,
         forward_context=forward_context,
+        experts=(
+            ExpertParallelism(ep_groups[0], ep_groups[1], mesh.size("dp"), expert_names)
+            if ep_groups is not None
+            else None
+        ),
     )

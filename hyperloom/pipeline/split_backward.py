@@ -13,7 +13,8 @@ output head need no change). Its backward always returns ∂L/∂x; if the store
 (the executor runs a B), it queues the weight-gradient product under the current (stage,
 micro-batch) key instead of returning it. W pops that key's queue and accumulates the products
 into `.grad`. Outside a collecting B (a full backward, BW) the layer behaves like `F.linear`.
-Parameters that are not linear weights (norms, embeddings) get their gradients during B: they
+Parameters that are not linear weights (norms, embeddings), and linear weights that are not
+parameters themselves (an expert's slice of a stacked weight), get their gradients during B: they
 are cheap, which is also how Zero Bubble and DualPipe's `WeightGradStore` split the work.
 
 The store is captured at forward time, not looked up in backward, because autograd may run
@@ -130,7 +131,11 @@ class DeferWeightGrads(TorchFunctionMode):
         if func is F.linear and torch.is_grad_enabled():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if weight.requires_grad:
+            # Only a parameter itself can take a deferred gradient: for a weight computed in
+            # the forward (a slice of an expert stack, a cast copy) the gradient must flow on
+            # through autograd to the parameter, so that linear runs as usual.
+            leaves = weight.is_leaf and (bias is None or bias.is_leaf)
+            if weight.requires_grad and leaves:
                 dev = x.device.type
                 dtype = (
                     torch.get_autocast_dtype(dev)

@@ -99,7 +99,7 @@ def test_mtp_and_aux_losses_join_the_training_loss_only():
         main = model.eval()(inputs, labels=labels)
         total = model.train()(inputs, labels=labels)
         h = model.layers["0"](model.tok_embeddings(inputs), model.rope_cos, model.rope_sin)
-        extra = model._mtp_loss(h, inputs, labels, model.rope_cos, model.rope_sin)
+        extra = model._mtp_loss(h, labels, model.rope_cos, model.rope_sin)
         aux = sum(m.aux_loss for m in model.moe_layers().values())
     assert total.item() == pytest.approx((main + extra + aux).item(), rel=1e-5)
     assert extra.item() > 0 and aux.item() > 0
@@ -129,7 +129,8 @@ def test_param_counts(name):
         (["--model.moe_top_k", "17"], "model.moe_top_k (17) must lie in [1"),
         (["--model.qk_rope_head_dim", "7"], "qk_rope_head_dim must be positive and even"),
         (["--parallel.tp", "2"], "parallel.tp = 2 with model.family = 'deepseek'"),
-        (["--parallel.pp", "2"], "is not built yet"),
+        (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
+        (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp (2)"),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),
     ],
 )

@@ -16,8 +16,9 @@ that have both an input token and a target, and the model's training loss is
 
     L = L_main + (λ / D) Σ_k Lᵏ + Σ_layers L_aux
 
-Only in training: evaluation and generation use the main model alone (MTP modules can serve
-speculative decoding; not built yet).
+Only in training: evaluation and generation use the main model alone (the MTP modules also
+serve speculative decoding). In pipeline runs the MTP modules live on the last stage, with a
+copy of the embedding (its gradient summed with the first stage's, like tied embeddings).
 
 **Balancing hook.** `after_optimizer_step(group)` is what the trainer calls after each
 optimizer step: it all-reduces the step's expert loads over `group`, moves the selection
@@ -171,7 +172,7 @@ class DeepSeekV3(nn.Module):
         loss = self.loss(self.norm(h), labels)
         if self.training:
             if self.mtp:
-                loss = loss + self._mtp_loss(h, tokens, labels, cos, sin)
+                loss = loss + self._mtp_loss(h, labels, cos, sin)
             aux = [m.aux_loss for m in self.moe_layers().values() if m.aux_loss is not None]
             if aux:
                 loss = loss + torch.stack(aux).sum()
@@ -183,21 +184,20 @@ class DeepSeekV3(nn.Module):
         return self.output(h)
 
     def _mtp_loss(
-        self,
-        h: torch.Tensor,
-        tokens: torch.Tensor,
-        labels: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, h: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """(λ / D) Σ_k Lᵏ over the D modules (see the module doc)."""
-        seq, depth = tokens.shape[1], len(self.mtp)
+        """(λ / D) Σ_k Lᵏ over the D modules (see the module doc).
+
+        The input tokens t_{i+k} are read from the labels (label i is token i + 1), so the
+        MTP modules need no token ids: on the last pipeline stage they only have the labels.
+        """
+        seq, depth = labels.shape[1], len(self.mtp)
         losses = []
         for k, module in enumerate(self.mtp.values(), start=1):
             n = seq - k  # positions i with an input token t_{i+k} and a target t_{i+k+1}
             if n <= 0:
                 break
-            emb = self.tok_embeddings(tokens[:, k:])  # (b, n, dim): t_{i+k}
+            emb = self.tok_embeddings(labels[:, k - 1 : k - 1 + n])  # (b, n, dim): t_{i+k}
             h = module(module.merge(emb, h[:, :n]), cos, sin)  # (b, n, dim)
             losses.append(self.loss(module.norm(h), labels[:, k:]))  # targets t_{i+k+1}
         if not losses:
@@ -210,6 +210,16 @@ class DeepSeekV3(nn.Module):
         return ops.linear_cross_entropy(
             h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
         )
+
+    def side_loss(self) -> torch.Tensor | None:
+        """The auxiliary balance losses of the last training forward when that forward
+        returned hidden states (a pipeline stage before the last): the pipeline executor adds
+        them to the micro-batch's loss and its backward. None when there are none, or when the
+        forward returned the loss, which holds them already."""
+        if self.norm is not None or not self.training:
+            return None
+        aux = [m.aux_loss for m in self.moe_layers().values() if m.aux_loss is not None]
+        return torch.stack(aux).sum() if aux else None
 
     @torch.no_grad()
     def after_optimizer_step(self, group=None) -> dict[str, float]:

@@ -103,8 +103,10 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.randn(5, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 8, 16, device=device_type, dtype=dtype, requires_grad=True)
+        # Ones, not random numbers: probing must not move the global RNG (a resumed run's
+        # dropout masks would shift).
+        x = torch.ones(5, 8, device=device_type, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 16, device=device_type, dtype=dtype, requires_grad=True)
         offs = torch.tensor([2, 5], device=device_type, dtype=torch.int32)
         _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs)).sum().backward()
         return True

@@ -811,11 +811,6 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
         )
     if t.compile:
         out.append("train.compile with parallel.pp > 1 is not built yet; set train.compile false")
-    if cfg.precision.fp8 != "none":
-        out.append(
-            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.pp > 1 is not built yet "
-            f"(FP8 scaling state per pipeline stage); use fp8 'none' or pp = 1"
-        )
     return out
 
 

@@ -16,6 +16,16 @@ summed (in memory when they share a rank, else by an all-reduce over the pipelin
 hold them, Megatron's "embedding group"), so every copy takes the same optimizer step and
 they stay equal. The gradient norm counts each parameter once, at its first holder.
 
+FP8 (`precision.fp8`). Each chunk's linears are converted before tensor parallelism, as
+`parallelize` does for the whole model, and its scaling state reset after allocation. A
+stage runs its micro-batches in order, each advancing the delayed-scaling histories once in
+forward and once in backward, which is the sequence one process accumulating the same
+micro-batches sees. Split backward defers FP8 weight-gradient GEMMs too (see
+`split_backward`). Checkpoints hold the scaling state by global module name, gathered over
+the pipeline ranks (`fp8_state_dict`); a DualPipe chunk's two copies each see half of the
+micro-batches and keep their own histories, of which the first holder's is saved and both
+copies load it.
+
 Data parallelism under pp is done here rather than by DDP: a split backward accumulates
 weight gradients outside autograd's hooks, so the dp all-reduce (zero 0) or ZeRO-1's
 reduce-scatter (zero 1) runs once after the schedule, without overlap. FSDP (zero 3) with
@@ -35,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
+from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
+from hyperloom.engine.fp8.convert import fp8_state_dict, load_fp8_state_dict
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
@@ -268,6 +280,33 @@ class PipelineModel(ParallelModel):
             merged.update(part or {})
         return merged
 
+    def fp8_state_dict(self) -> dict[str, torch.Tensor]:
+        """The FP8 scaling state of the whole model by global name, on every rank (a
+        collective over pp): each module's from the first (rank, chunk) holding it."""
+        local: dict[str, torch.Tensor] = {}
+        for _, chunk in sorted(self.inner.chunks.items(), key=lambda kv: int(kv[0])):
+            for key, value in fp8_state_dict(chunk).items():
+                local.setdefault(key, value)
+        group = self.mesh.group("pp")
+        if group is None:
+            return local
+        parts: list[dict | None] = [None] * self.mesh.size("pp")
+        dist.all_gather_object(parts, local, group=group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:  # rank order: the first holder wins
+            for key, value in (part or {}).items():
+                merged.setdefault(key, value)
+        return merged
+
+    def load_fp8_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Give every chunk (every copy) its modules' state from a whole-model dict."""
+        for chunk in self.inner.chunks.values():
+            mine = fp8_state_dict(chunk)
+            missing = sorted(set(mine) - set(state))
+            if missing:
+                raise KeyError(f"FP8 scaling state missing for {missing[:4]}")
+            load_fp8_state_dict(chunk, {k: state[k] for k in mine})
+
 
 def build_pipeline(
     cfg: JobConfig,
@@ -302,6 +341,8 @@ def build_pipeline(
     ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
     for c in mine:
         chunk = cut(c)
+        if cfg.precision.fp8 != "none":  # before tp, as `parallelize` does
+            convert_to_fp8(chunk, recipe_from_name(cfg.precision.fp8), cfg.precision.fp8_keep)
         if tp > 1:
             sp = apply_tensor_parallel(chunk, fam.tp_plan, tp_group, par.sp, partial=True)
             sp_params += [f"chunks.{c}.{n}" for n in sp]
@@ -318,6 +359,7 @@ def build_pipeline(
     restore_shard_attributes(model, attrs)
     for chunk in model.chunks.values():
         chunk.init_weights(cfg.train.seed)
+    reset_fp8_state(model)  # to_empty left the delayed-scaling buffers uninitialised
 
     copies: dict[str, list[nn.Parameter]] = defaultdict(list)
     owned = []

@@ -17,6 +17,11 @@ Parameters that are not linear weights (norms, embeddings), and linear weights t
 parameters themselves (an expert's slice of a stacked weight), get their gradients during B: they
 are cheap, which is also how Zero Bubble and DualPipe's `WeightGradStore` split the work.
 
+FP8 linears (`hyperloom.engine.fp8`) do not call `F.linear`; the mode also enters the FP8
+engine's `defer_weight_grads(store.put)`, so their weight-gradient GEMMs are queued the same
+way and run in FP8 at W, from the grad_output quantized in B (the FP8 scaling state advances
+in F and B only, never in W).
+
 The store is captured at forward time, not looked up in backward, because autograd may run
 backward on a different thread (one per device on GPUs) where a context variable set by the
 executor would not be visible.
@@ -31,6 +36,8 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from hyperloom.engine.fp8.modules import defer_weight_grads
 
 
 class WeightGradStore:
@@ -125,6 +132,20 @@ class DeferWeightGrads(TorchFunctionMode):
     def __init__(self, store: WeightGradStore) -> None:
         super().__init__()
         self.store = store
+        self._fp8: contextlib.AbstractContextManager | None = None
+
+    def __enter__(self):
+        self._fp8 = defer_weight_grads(self.store.put)  # FP8 linears queue their wgrad too
+        self._fp8.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            fp8, self._fp8 = self._fp8, None
+            if fp8 is not None:
+                fp8.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -132,7 +132,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "rng": self._per_rank(ckpt.rng_state(self.acc.rng_state())),
             "layout": self.mesh.describe(),
-            "fp8": fp8_state_dict(self.model),  # delayed-scaling amax histories and scales
+            "fp8": self._fp8_state(),  # delayed-scaling amax histories and scales
             "resilience": self.guard.state_dict(),  # LR scale after rollbacks, spike stats
         }
         path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
@@ -153,6 +153,12 @@ class Trainer:
             )
         self._barrier()
         return path
+
+    def _fp8_state(self) -> dict[str, torch.Tensor]:
+        """FP8 scaling state by global module name (under pp a collective over its ranks)."""
+        if self.cfg.precision.fp8 == "none":
+            return {}
+        return self.pm.fp8_state_dict() if self.pm.pipelined else fp8_state_dict(self.model)
 
     def maybe_resume(self) -> None:
         choice = self.cfg.checkpoint.resume
@@ -176,7 +182,10 @@ class Trainer:
             else:
                 load_full_model_state(self.pm, ckpt.load_model_state(path))
                 load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
-            load_fp8_state_dict(self.model, state.get("fp8", {}))
+            if self.pm.pipelined:  # each rank loads its chunks' share, by global name
+                self.pm.load_fp8_state_dict(state.get("fp8", {}))
+            else:
+                load_fp8_state_dict(self.model, state.get("fp8", {}))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} does not fit this job's model/optimizer "

@@ -32,6 +32,16 @@ MODEL = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_si
 SEQ, MBS, STEPS, LR = 16, 2, int(os.environ.get("FP8_TP_STEPS", 3)), 0.5
 
 
+def reference_model(cfg, device) -> torch.nn.Module:
+    """The whole FP8 model of `cfg` on one device, initialised from the job's seed."""
+    ref = build_model(cfg.model)
+    convert_to_fp8(ref, recipe_from_name(cfg.precision.fp8), keep=cfg.precision.fp8_keep)
+    ref.to_empty(device=device)
+    ref.init_weights(cfg.train.seed)
+    reset_fp8_state(ref)
+    return ref
+
+
 def run_case(case: str, acc) -> dict:
     recipe, sp = case.split(":")[0], bool(int(case.split(":")[1]))
     raw = {
@@ -46,11 +56,7 @@ def run_case(case: str, acc) -> dict:
     pm = parallelize(cfg, mesh, acc.device)
     opt = torch.optim.SGD(pm.inner.parameters(), lr=LR)
 
-    ref = build_model(cfg.model)
-    convert_to_fp8(ref, recipe_from_name(recipe), keep=cfg.precision.fp8_keep)
-    ref.to_empty(device=acc.device)
-    ref.init_weights(cfg.train.seed)
-    reset_fp8_state(ref)
+    ref = reference_model(cfg, acc.device)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
 
     gen = torch.Generator().manual_seed(1234)

@@ -43,9 +43,10 @@ def test_misaligned_shards_are_rejected(fp8, block):
         config_from_dict(job(fp8, ffn_dim=block * 3), world_size=2)
 
 
-def test_fp8_with_pp_is_still_rejected():
-    with pytest.raises(ConfigError, match="pp > 1"):
-        config_from_dict(job("current", tp=1, pp=2, n_layers=2), world_size=2)
+@pytest.mark.parametrize("fp8", ["current", "delayed", "blockwise"])
+def test_fp8_with_pp_is_accepted(fp8):
+    cfg = config_from_dict(job(fp8, tp=1, pp=2, n_layers=2), world_size=2)
+    assert (cfg.precision.fp8, cfg.parallel.pp) == (fp8, 2)
 
 
 class _Group:  # only world size and rank are read before any collective

@@ -20,7 +20,22 @@ rounding. Per-tensor recipes always save only the FP8 copy: it is exactly what w
 
 Delayed scaling keeps per-tensor amax histories and scales in buffers (`fp8_amax_history`
 (len, 3 * gemms), `fp8_scale` (3 * gemms,); columns input, weight, grad_output per GEMM),
-so `state_dict` and checkpoints carry them; other recipes are stateless.
+so `state_dict` and checkpoints carry them; other recipes are stateless. A module in eval
+mode (validation) quantizes with the scales training would use next and leaves the state
+alone. Every training quantization
+that touches the state (input and weight in forward, grad_output in backward) updates it
+once, in the order the GEMMs run: several micro-batches per optimizer step (gradient
+accumulation, pipeline schedules) each advance the history, as TE's one update per
+`fp8_autocast` region per micro-batch does.
+
+Split backward (Zero Bubble, DualPipe). Under `defer_weight_grads(put)` (entered by the
+pipeline's `DeferWeightGrads`) a layer whose weight is a parameter itself hands its
+weight-gradient GEMM to `put` in backward instead of running it: the data-gradient GEMM runs
+now, the FP8 weight-gradient GEMM later (W), from the same quantized grad_output and saved
+activation, so the numbers are those of an undeferred backward. The deferred work touches no
+scaling state (grad_output was quantized, and its delayed-scaling history advanced, in B).
+A weight that is a slice of a parameter (an expert of a stacked weight) gets its gradient
+in B, like the pipeline's BF16 path.
 """
 
 from __future__ import annotations
@@ -64,6 +79,24 @@ def fp8_autocast(recipe: Recipe | None = None, enabled: bool = True):
         _ACTIVE.reset(token)
 
 
+# Where weight-gradient work goes instead of running in backward: a callable that queues a
+# job and returns True, or returns False to have it run now (see split backward above).
+_DEFER: contextvars.ContextVar[Callable[[Callable[[], None]], bool] | None] = (
+    contextvars.ContextVar("hyperloom_fp8_defer_wgrad", default=None)
+)
+
+
+@contextlib.contextmanager
+def defer_weight_grads(put: Callable[[Callable[[], None]], bool]):
+    """FP8 layers run forward inside hand their weight-gradient GEMMs to `put` in backward
+    (captured at forward time: autograd may run backward on another thread)."""
+    token = _DEFER.set(put)
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
 def active_recipe(default: Recipe) -> Recipe | None:
     """The recipe a module should use now, or None when FP8 is switched off."""
     ctx = _ACTIVE.get()
@@ -84,6 +117,7 @@ class _Plan:
     fp8_activation: bool
     out_dtype: torch.dtype
     reduce_amax: dict[str, Callable[[torch.Tensor], torch.Tensor] | None]
+    defer: Callable[[Callable[[], None]], bool] | None = None
 
 
 def _no_autocast(device: torch.device):
@@ -103,6 +137,8 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = y + bias.float()
         ctx.plan, ctx.qw, ctx.x_shape, ctx.x_dtype = plan, qw, x.shape, x.dtype
         ctx.has_bias = bias is not None
+        leaves = weight.is_leaf and (bias is None or bias.is_leaf)
+        ctx.params = (weight, bias) if plan.defer is not None and leaves else None
         keep_fp8 = qx.transposable or plan.fp8_activation
         ctx.qx = qx if keep_fp8 else None
         ctx.save_for_backward(weight, None if keep_fp8 else x2d)
@@ -120,16 +156,36 @@ class _Fp8LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight")
                 dx = fp8_gemm(qdy, wt).to(ctx.x_dtype).view(ctx.x_shape)  # (…, K)
-            if ctx.needs_input_grad[1]:
-                dyt = qdy.t() if qdy.transposable else _q(dy2d.t(), plan.recipe, "grad_output")
-                if qx is not None and qx.transposable:
-                    xt = qx.t()
-                else:  # re-tile along M, from the FP8 copy when that is what was kept
-                    hp = qx.dequantize() if qx is not None else x2d
-                    xt = _q(hp.t(), plan.recipe, "input")
-                dw = fp8_gemm(dyt, xt).to(weight.dtype)  # (N, K)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2d.float().sum(0).to(weight.dtype)
+        want_w = ctx.needs_input_grad[1]
+        want_b = ctx.has_bias and ctx.needs_input_grad[2]
+        recipe, w_dtype = plan.recipe, weight.dtype
+
+        def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            gw = gb = None
+            with _no_autocast(dy2d.device):
+                if want_w:
+                    dyt = qdy.t() if qdy.transposable else _q(dy2d.t(), recipe, "grad_output")
+                    if qx is not None and qx.transposable:
+                        xt = qx.t()
+                    else:  # re-tile along M, from the FP8 copy when that is what was kept
+                        hp = qx.dequantize() if qx is not None else x2d
+                        xt = _q(hp.t(), recipe, "input")
+                    gw = fp8_gemm(dyt, xt).to(w_dtype)  # (N, K)
+                if want_b:
+                    gb = dy2d.float().sum(0).to(w_dtype)
+            return gw, gb
+
+        params = ctx.params
+        if params is not None and (want_w or want_b):
+
+            def fp8_wgrad() -> None:
+                for p, g in zip(params, weight_grads(), strict=True):
+                    if g is not None:
+                        p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g)
+
+            if plan.defer(fp8_wgrad):
+                return dx, None, None, None
+        dw, db = weight_grads()
         return dx, dw, db, None
 
 
@@ -171,7 +227,7 @@ def fp8_linear(
             f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
             f"expects {weight.shape[-1]}"
         )
-    plan = _Plan(recipe, states, fp8_activation, _out_dtype(x), reduce_amax)
+    plan = _Plan(recipe, states, fp8_activation, _out_dtype(x), reduce_amax, _DEFER.get())
     return _Fp8LinearFn.apply(x, weight, bias, plan)
 
 
@@ -204,9 +260,9 @@ class _Fp8State:
     def _states(self, recipe: Recipe, gemm: int = 0) -> dict[str, DelayedState | None]:
         if not isinstance(recipe, DelayedScaling) or self.fp8_amax_history is None:
             return dict.fromkeys(ROLES)
-        base = len(ROLES) * gemm
+        base, frozen = len(ROLES) * gemm, not self.training  # eval leaves the state alone
         return {
-            role: DelayedState(self.fp8_amax_history, self.fp8_scale, base + i)
+            role: DelayedState(self.fp8_amax_history, self.fp8_scale, base + i, frozen)
             for i, role in enumerate(ROLES)
         }
 

@@ -177,10 +177,16 @@ def recipe_from_name(name: str) -> Recipe:
 
 class DelayedState:
     """A view of one tensor's amax history (one column of a module's history buffer) and
-    its scale, updated in place (the buffers are module state, so checkpoints carry them)."""
+    its scale, updated in place (the buffers are module state, so checkpoints carry them).
 
-    def __init__(self, history: torch.Tensor, scale: torch.Tensor, column: int):
-        self.history, self.scale, self.column = history, scale, column
+    `frozen` (a module in eval mode: validation, generation) quantizes with the scale the
+    next training quantization would use and changes nothing, so evaluating never alters
+    the training run (its scales, or a checkpoint's)."""
+
+    def __init__(
+        self, history: torch.Tensor, scale: torch.Tensor, column: int, frozen: bool = False
+    ):
+        self.history, self.scale, self.column, self.frozen = history, scale, column, frozen
 
     @torch.no_grad()
     def update_scale(self, recipe: DelayedScaling, fmt_max: float) -> torch.Tensor:
@@ -190,6 +196,8 @@ class DelayedState:
         new = fmt_max / amax / (2.0**recipe.margin)
         keep = (amax <= 0) | ~torch.isfinite(amax)
         new = torch.where(keep, self.scale[self.column], new)
+        if self.frozen:
+            return new
         self.scale[self.column] = new
         h.copy_(torch.roll(h, -1))
         h[0] = 0.0
@@ -197,7 +205,8 @@ class DelayedState:
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor) -> None:
-        self.history[0, self.column] = amax
+        if not self.frozen:
+            self.history[0, self.column] = amax
 
 
 def quantize_for(

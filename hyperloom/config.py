@@ -814,6 +814,30 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _deepseek_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
+    """tp > 1 for the DeepSeek family (hyperloom.models.deepseek.plan): heads and the shared
+    experts' width split; no sequence parallelism or FP8 for it yet."""
+    m, par, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    out = []
+    shared = m.n_shared_experts * m.moe_ffn_dim
+    if m.n_routed_experts and shared % tp:
+        out.append(
+            f"model.n_shared_experts * model.moe_ffn_dim ({shared}) is not divisible by "
+            f"parallel.tp ({tp}): the shared experts' SwiGLU width splits over tp"
+        )
+    if par.sp:
+        out.append(
+            "parallel.sp = true with model.family = 'deepseek' is not built yet: the MoE "
+            "router, balance losses and MLA would see a slice of each sequence; use sp = false"
+        )
+    if cfg.precision.fp8 != "none":
+        out.append(
+            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.tp = {tp} for the deepseek "
+            f"family is not built yet; use tp = 1 (dp, ep, pp) or fp8 = 'none'"
+        )
+    return out
+
+
 def _expert_parallel_problems(cfg: JobConfig) -> list[str]:
     """ep > 1 for an MoE model: the experts split evenly; DDP (zero 0) reduces the rest."""
     m, par = cfg.model, cfg.parallel
@@ -848,10 +872,7 @@ def _moe_problems(cfg: JobConfig) -> list[str]:
     if par.ep > 1:
         out.extend(_expert_parallel_problems(cfg))
     if par.tp > 1:
-        out.append(
-            f"parallel.tp = {par.tp} with model.family = 'deepseek': tensor parallelism of "
-            f"MLA and MoE layers is not built yet; use dp, ep and pp"
-        )
+        out.extend(_deepseek_tensor_parallel_problems(cfg))
     if par.zero == 3 and par.dp > 1:
         out.append(
             "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "

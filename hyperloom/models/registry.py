@@ -33,7 +33,8 @@ class ModelFamily:
     build: Callable[[ModelConfig], nn.Module]
     param_count: Callable[[ModelConfig], int]
     training_flops_per_token: Callable[[ModelConfig, int], int]
-    tp_plan: dict[str, str]  # module path pattern -> tensor-parallel style
+    # model config -> {module path pattern: tensor-parallel style}
+    tp_plan: Callable[[ModelConfig], dict[str, str]]
     # (meta model, layer ids, first, last) -> the model cut down to one pipeline chunk
     pipeline_chunk: Callable[[nn.Module, range, bool, bool], nn.Module]
     # Mixture-of-Experts / MTP families: parameters one token uses (None = all of them), and
@@ -51,21 +52,21 @@ def _llama() -> ModelFamily:
         llama.Llama,
         llama.param_count,
         llama.training_flops_per_token,
-        TP_PLAN,
+        lambda cfg: TP_PLAN,
         pipeline_chunk,
     )
 
 
 def _deepseek() -> ModelFamily:
     from hyperloom.models import deepseek
-    from hyperloom.models.deepseek.plan import TP_PLAN, pipeline_chunk
+    from hyperloom.models.deepseek.plan import pipeline_chunk, tp_plan
 
     return ModelFamily(
         "deepseek",
         deepseek.DeepSeekV3,
         deepseek.param_count,
         deepseek.training_flops_per_token,
-        TP_PLAN,
+        tp_plan,
         pipeline_chunk,
         active_param_count=deepseek.active_param_count,
         mtp_param_count=deepseek.mtp_param_count,

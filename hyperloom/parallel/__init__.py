@@ -33,7 +33,7 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
     sp_params = []
     if mesh.size("tp") > 1:
         sp_params = apply_tensor_parallel(
-            model, family(cfg.model.family).tp_plan, mesh.group("tp"), cfg.parallel.sp
+            model, family(cfg.model.family).tp_plan(cfg.model), mesh.group("tp"), cfg.parallel.sp
         )
     experts = None
     if cfg.parallel.ep > 1:

@@ -9,7 +9,10 @@ land.) A model family describes tensor parallelism as data — a plan mapping mo
   parallelism), for all the column-parallel linears inside it;
 - "vocab_embedding" / "vocab_head": vocabulary-parallel embedding and output head;
 - "sp_norm": a norm that runs on a sequence slice under sequence parallelism, so its
-  weight gradient must be summed over the tensor-parallel group.
+  weight gradient must be summed over the tensor-parallel group;
+- "tp_partial_grad": a module that runs replicated inside a "tp_input" block but whose output
+  feeds only this rank's heads (MLA's low-rank projections and latent norms): each rank's
+  weight gradient is a partial sum, so it is summed over the group.
 
 Data parallelism then wraps the result:
 - zero = 1: our ZeRO-1 distributed optimizer (`zero1.py`): gradients reduce-scattered once
@@ -43,7 +46,15 @@ from hyperloom.train.optim import build_optimizer
 
 log = logging.getLogger("hyperloom.parallel")
 
-STYLES = ("colwise", "rowwise", "tp_input", "vocab_embedding", "vocab_head", "sp_norm")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "tp_input",
+    "tp_partial_grad",
+    "vocab_embedding",
+    "vocab_head",
+    "sp_norm",
+)
 
 
 def _modules_matching(model: nn.Module, pattern: str) -> list[str]:
@@ -100,7 +111,7 @@ def apply_tensor_parallel(
                 _set_submodule(model, path, new)
             elif style == "tp_input":
                 tpl.prepare_tp_input(old, group, sequence_parallel)
-            elif style == "sp_norm" and sequence_parallel:
+            elif style == "tp_partial_grad" or (style == "sp_norm" and sequence_parallel):
                 sp_params.extend(f"{path}.{n}" for n, _ in old.named_parameters())
     return sp_params
 

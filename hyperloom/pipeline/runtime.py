@@ -344,7 +344,7 @@ def build_pipeline(
         if cfg.precision.fp8 != "none":  # before tp, as `parallelize` does
             convert_to_fp8(chunk, recipe_from_name(cfg.precision.fp8), cfg.precision.fp8_keep)
         if tp > 1:
-            sp = apply_tensor_parallel(chunk, fam.tp_plan, tp_group, par.sp, partial=True)
+            sp = apply_tensor_parallel(chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True)
             sp_params += [f"chunks.{c}.{n}" for n in sp]
         if ep_groups is not None:
             ep = apply_expert_parallel(

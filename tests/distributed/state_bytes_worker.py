@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hyperloom.config import load_config
+from hyperloom.parallel.mesh import exit_worker
 from hyperloom.parallel.state import local_state_bytes
 from hyperloom.train.trainer import Trainer
 
@@ -22,4 +23,4 @@ trainer.pm.loss(trainer.fwd(inputs), labels).backward()
 trainer.pm.reshard()
 stats = local_state_bytes(trainer.pm, trainer.optimizer)
 (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(stats))
-dist.destroy_process_group()
+exit_worker(0)  # barrier, tear the groups down, leave without interpreter finalisation

@@ -56,6 +56,21 @@ MOE_TINY = {
 }
 
 
+def assert_same_training(one: list[dict], other: list[dict]) -> None:
+    """Per-step loss and gradient norm of a layout against one process.
+
+    Tolerance: 1e-5 for the first two steps, where a missing loss term or a wrong bias update
+    shows (each gave >= 1.4e-4 while being fixed), then 2e-4: a layout changes the float
+    summation order (micro-batch accumulation, tensor-parallel partial sums), and the routers'
+    top-k and Adam's normalised updates amplify that to a measured 2e-5 - 6e-5 by steps 3-5.
+    """
+    assert [r["step"] for r in one] == [r["step"] for r in other]
+    for a, b in zip(one, other, strict=True):
+        tol = TOL if a["step"] <= 2 else 2e-4
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= tol * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
 def _train(tiny_job_args, run_dir: Path, nproc: int, **overrides) -> list[dict]:
     args = ["train", "--nproc", str(nproc), *tiny_job_args(run_dir, **{**MOE_TINY, **overrides})]
     result = subprocess.run(
@@ -116,17 +131,30 @@ def test_moe_pipeline_trains_like_one_process(tiny_job_args, tmp_path, nproc, la
     """Balance losses of the first stage join the loss through the executor's side loss; the
     MTP module on the last stage reads the embedding copy and the labels; DualPipe's layer
     copies move their routing biases by the summed load.
-
-    Tolerance: 1e-5 for the first two steps, where a missing loss term or a wrong bias update
-    shows (each gave >= 1.4e-4 while being fixed), then 2e-4: accumulating micro-batch
-    gradients changes the float summation order, and the routers' top-k and Adam's
-    normalised updates amplify that to a measured 6e-5 by step 5."""
+    """
     rows = layout["train__micro_batch_size"] * layout.get("parallel__microbatches", 2)
     rows *= layout.get("parallel__dp", 1)
     one = _train(tiny_job_args, tmp_path / "one", 1, train__micro_batch_size=rows)
     pp = _train(tiny_job_args, tmp_path / "pp", nproc, **{"parallel__microbatches": 2, **layout})
-    for a, b in zip(one, pp, strict=True):
-        tol = TOL if a["step"] <= 2 else 2e-4
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= tol * abs(a[key]), (a["step"], key, a[key], b[key])
+    assert_same_training(one, pp)
     assert set(pp[-1]["expert_load"]) == set(one[-1]["expert_load"])  # every stage's layers
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, {"parallel__tp": 2, "train__micro_batch_size": 4}),
+        (
+            4,
+            {"parallel__tp": 2, "parallel__dp": 2, "parallel__ep": 2, "train__micro_batch_size": 2},
+        ),
+    ],
+    ids=["tp2", "tp2-dp2-ep2"],
+)
+def test_moe_tensor_parallel_trains_like_one_process(tiny_job_args, tmp_path, nproc, layout):
+    """MLA split by heads (its low-rank projections' partial gradients summed over tp), the
+    dense layers and shared experts split like Llama's SwiGLU, the vocab-parallel head for the
+    main and the MTP loss, the routed experts replicated over tp (and split over ep)."""
+    one = _train(tiny_job_args, tmp_path / "one", 1, train__micro_batch_size=4)
+    tp = _train(tiny_job_args, tmp_path / "tp", nproc, **layout)
+    assert_same_training(one, tp)

@@ -128,7 +128,11 @@ def test_param_counts(name):
         ),
         (["--model.moe_top_k", "17"], "model.moe_top_k (17) must lie in [1"),
         (["--model.qk_rope_head_dim", "7"], "qk_rope_head_dim must be positive and even"),
-        (["--parallel.tp", "2"], "parallel.tp = 2 with model.family = 'deepseek'"),
+        (
+            ["--parallel.tp", "2", "--parallel.sp", "true"],
+            "parallel.sp = true with model.family = 'deepseek' is not built yet",
+        ),
+        (["--parallel.tp", "2", "--precision.fp8", "current"], "for the deepseek family is not"),
         (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
         (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp (2)"),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),

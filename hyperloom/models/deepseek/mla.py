@@ -152,7 +152,8 @@ class MLA(nn.Module):
             q = self.wq(x)
         else:
             q = self.wq_b(self.q_norm(self.wq_a(x)))
-        return q.unflatten(-1, (self.n_heads, -1))  # (b, s, heads, nope + rope)
+        # Heads from the width: a tensor-parallel rank holds n_heads / tp of them.
+        return q.unflatten(-1, (-1, self.nope + self.rope_dim))  # (b, s, heads, nope + rope)
 
     def forward(
         self,
@@ -170,9 +171,9 @@ class MLA(nn.Module):
         k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
         if cache is not None:
             return self._absorbed(q, c_kv, k_pe[:, :, 0], cache, start_pos)
-        kv = self.wkv_b(c_kv).unflatten(-1, (self.n_heads, -1))  # (b, s, heads, nope + v)
+        kv = self.wkv_b(c_kv).unflatten(-1, (-1, self.nope + self.v_dim))  # (b, s, heads, nope + v)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         # SDPA wants (b, heads, s, d); its default scale is (nope + rope)^-½, so the YaRN
         # correction is folded into the queries.
         if self.q_scale != 1.0:
@@ -198,7 +199,7 @@ class MLA(nn.Module):
         """Attention in the latent space over the compressed cache (see the module doc)."""
         s = q.shape[1]
         c_kv, k_pe = cache.update(self.layer_id, start_pos, c_kv, k_pe)  # (b, t, rank), (b, t, r)
-        w = self.wkv_b.weight.unflatten(0, (self.n_heads, -1))  # (heads, nope + v, rank)
+        w = self.wkv_b.weight.unflatten(0, (-1, self.nope + self.v_dim))  # (heads, nope + v, rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q.dtype))  # (b, s, heads, rank)

@@ -204,12 +204,7 @@ class DeepSeekV3(nn.Module):
             return torch.zeros((), device=h.device)
         return self.cfg.mtp_loss_weight / depth * torch.stack(losses).sum()
 
-    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of the (shared) head on normed hidden states."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return ops.linear_cross_entropy(
-            h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
-        )
+    loss = Llama.loss  # the shared head's mean cross-entropy (vocab-parallel under tp)
 
     def side_loss(self) -> torch.Tensor | None:
         """The auxiliary balance losses of the last training forward when that forward

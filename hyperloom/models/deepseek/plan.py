@@ -1,21 +1,60 @@
 """Parallel plans for the DeepSeek family.
 
-Pipeline parallelism cuts the model like Llama's (`hyperloom.models.llama.plan`), with one
+**Tensor parallelism** (`tp_plan`; no sequence parallelism). MLA splits by heads as Megatron
+does: the up-projections wq_b (or wq) and wkv_b are column-parallel, wo row-parallel. The
+low-rank down-projections wq_a, wkv_a and their norms run replicated on the block's (copied)
+input; because their outputs feed only this rank's heads, and the decoupled RoPE key k_pe is
+shared by every head, each rank's gradient of those weights is a partial sum, summed over tp
+after backward ("tp_partial_grad"). The dense first layers and the shared experts are split
+like Llama's SwiGLU. The routed experts and the router run replicated on every tp rank (the
+layer's tokens are whole on each): the gradients agree across tp without communication, at
+the cost of repeating the routed-expert compute tp times — expert parallelism (over dp) is
+what divides it.
+
+**Pipeline parallelism** cuts the model like Llama's (`hyperloom.models.llama.plan`), with one
 difference: the multi-token-prediction modules live on the last stage (DeepSeek-V3, arXiv
 2412.19437 §3.2.2 — "the MTP module and the main model's output head on the same PP rank"),
 and they read the token embedding, so the last stage keeps a copy of it whose gradient the
 runtime sums with the first stage's. Expert parallelism is applied from outside by
-`hyperloom.parallel.expert_parallel`. Tensor parallelism of MLA and the MoE layers is not
-built; config validation rejects tp > 1 for this family, so the plan is empty.
+`hyperloom.parallel.expert_parallel`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from hyperloom.config import ModelConfig
 from hyperloom.models.llama.plan import pipeline_chunk as _llama_chunk
 
-TP_PLAN: dict[str, str] = {}
+_MLA = {
+    "attention": "tp_input",
+    "attention.wq_a": "tp_partial_grad",
+    "attention.q_norm": "tp_partial_grad",
+    "attention.wkv_a": "tp_partial_grad",
+    "attention.kv_norm": "tp_partial_grad",
+    "attention.wkv_b": "colwise",  # heads split across ranks
+    "attention.wo": "rowwise",
+}
+_SWIGLU = {"": "tp_input", ".w1": "colwise", ".w3": "colwise", ".w2": "rowwise"}
+
+
+def tp_plan(cfg: ModelConfig) -> dict[str, str]:
+    """Module path pattern -> tensor-parallel style for this model's shape (see above)."""
+    plan = {"tok_embeddings": "vocab_embedding", "output": "vocab_head"}
+    q_up = {"attention.wq_b": "colwise"} if cfg.q_lora_rank else {"attention.wq": "colwise"}
+    mla = {k: v for k, v in _MLA.items() if cfg.q_lora_rank or "q_" not in k}
+    for block in ("layers.*", "mtp.*") if cfg.mtp_depth else ("layers.*",):
+        plan.update({f"{block}.{k}": v for k, v in {**mla, **q_up}.items()})
+    # Dense SwiGLU blocks: the first n_dense_layers, or every block of a model without experts.
+    if cfg.n_routed_experts:
+        dense = [f"layers.{i}" for i in range(cfg.n_dense_layers)]
+    else:
+        dense = ["layers.*"] + (["mtp.*"] if cfg.mtp_depth else [])
+    for block in dense:
+        plan.update({f"{block}.feed_forward{k}": v for k, v in _SWIGLU.items()})
+    if cfg.n_routed_experts and cfg.n_shared_experts:
+        plan.update({f"*.feed_forward.shared{k}": v for k, v in _SWIGLU.items()})
+    return plan
 
 
 def pipeline_chunk(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:

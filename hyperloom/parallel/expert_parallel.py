@@ -106,6 +106,7 @@ class ExpertParallelExperts(Experts):
         self.group, self.ep, self.n_local = group, ep, n_experts // ep
         self.dispatcher = dispatcher
         self.grouped_mm, self.ops = experts.grouped_mm, experts.ops
+        self.recipe, self.fp8_activation = experts.recipe, experts.fp8_activation  # FP8 GEMMs
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) holding counts[e] rows for global expert e -> (N, dim)."""

@@ -77,16 +77,20 @@ def compare(ref: dict, got: dict) -> dict:
     return {"loss": loss, "norm": norm, "grad": grad, "worst": worst, "same_names": names}
 
 
+def learnable_tokens() -> torch.Tensor:
+    """(steps, batch, seq + 1) learnable sequences t_i = start + stride * i mod VOCAB, so the
+    loss falls and the comparison is between models that train, not two that sit at chance."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randint(0, VOCAB, (STEPS, BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (STEPS, BATCH, 1), generator=gen)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
 def main() -> None:
     report_path = sys.argv[1]
     acc = get_accelerator("cpu")
     init_distributed(acc)
-    # Learnable sequences (t_i = start + stride * i mod VOCAB), so the loss falls and the
-    # comparison is between models that train, not two that sit at chance.
-    gen = torch.Generator().manual_seed(0)
-    start = torch.randint(0, VOCAB, (STEPS, BATCH, 1), generator=gen)
-    stride = torch.randint(1, 4, (STEPS, BATCH, 1), generator=gen)
-    tokens = (start + stride * torch.arange(SEQ + 1)) % VOCAB  # (steps, batch, seq + 1)
+    tokens = learnable_tokens()
     ref = None
     if dist.get_rank() == 0:  # the one-process run: no groups, the whole batch
         cfg = load_config(None, MODEL, world_size=1)

@@ -1,6 +1,11 @@
 """FP8 hybrid-precision engine: formats, scaling recipes, quantized GEMMs, FP8 linear layers.
 
-Knows nothing of process groups; layers that do (tensor parallel) call `fp8_linear`.
+Knows nothing of process groups; layers that do (tensor parallel) call `fp8_linear`, MoE
+experts call `fp8_grouped_linear`, and the pipeline's split backward hands FP8 layers a
+queue for their weight-gradient GEMMs (`defer_weight_grads`). Where the pieces meet the
+parallel layouts: tp reduces per-tensor amaxes over the group (`reduce_amax`); pp converts
+each chunk and gathers the delayed-scaling state by global name for checkpoints
+(`hyperloom.pipeline.runtime`); ep carries the experts' recipe to each rank's experts.
 """
 
 from hyperloom.engine.fp8.convert import (
@@ -12,7 +17,14 @@ from hyperloom.engine.fp8.convert import (
 )
 from hyperloom.engine.fp8.formats import E4M3, E5M2, Fp8Format, format_for
 from hyperloom.engine.fp8.gemm import fp8_gemm, tensor_core_gemm
-from hyperloom.engine.fp8.modules import Fp8GroupedLinear, Fp8Linear, fp8_autocast, fp8_linear
+from hyperloom.engine.fp8.modules import (
+    Fp8GroupedLinear,
+    Fp8Linear,
+    defer_weight_grads,
+    fp8_autocast,
+    fp8_grouped_linear,
+    fp8_linear,
+)
 from hyperloom.engine.fp8.quantize import Fp8Tensor
 from hyperloom.engine.fp8.recipes import (
     RECIPE_NAMES,
@@ -42,9 +54,11 @@ __all__ = [
     "Recipe",
     "RowwiseScaling",
     "convert_to_fp8",
+    "defer_weight_grads",
     "format_for",
     "fp8_autocast",
     "fp8_gemm",
+    "fp8_grouped_linear",
     "fp8_linear",
     "fp8_state_dict",
     "load_fp8_state_dict",

@@ -5,7 +5,9 @@ Which layers stay in BF16/FP32 is explicit configuration (`precision.fp8_keep`):
 patterns over module paths. The defaults follow DeepSeek-V3 §3.3.1 and TE practice -- the
 embedding, the output head, MoE routers/gates and norms keep their precision, since they are
 cheap and numerically sensitive; the attention core (softmax(QKᵀ)V) is not an `nn.Linear`
-and is never converted. Conversion runs on the meta-device model before parallelization, and
+and is never converted. MoE experts (stacked (E, out, in) weights, not `nn.Linear`) are
+switched to the engine's FP8 grouped linear; a keep pattern such as "*experts*" keeps them
+in BF16. The DeepSeek router is a float32 `F.linear` on its own parameter and never converts. Conversion runs on the meta-device model before parallelization, and
 reuses each layer's Parameter objects, so parameter names (state dicts, tensor-parallel
 shard specs) do not change.
 """
@@ -40,10 +42,21 @@ def convert_to_fp8(
     fp8_activation: bool = False,
 ) -> list[str]:
     """Replace every plain `nn.Linear` whose path matches no `keep` pattern by an
-    `Fp8Linear` using `recipe`, in place. Returns the converted module paths."""
+    `Fp8Linear` using `recipe`, in place, and switch modules that run their own GEMMs
+    (an `enable_fp8(recipe, fp8_activation)` method, e.g. MoE experts) to FP8. Returns the
+    converted module paths."""
     keep = tuple(keep)
     converted: list[str] = []
     for name, module in list(model.named_modules()):
+        enable = getattr(module, "enable_fp8", None)  # e.g. MoE experts: a grouped linear
+        if enable is not None and not keeps(name, keep):
+            if enable(recipe, fp8_activation):
+                converted.append(name)
+            else:
+                log.info(
+                    "FP8 (%s): %s declines the recipe, stays high precision", recipe.name, name
+                )
+            continue
         if type(module) is not nn.Linear or keeps(name, keep):
             continue
         parent, _, leaf = name.rpartition(".")

@@ -359,21 +359,45 @@ class Fp8GroupedLinear(_Fp8State, nn.Module):
     def forward(self, x: torch.Tensor, group_sizes: list[int] | torch.Tensor) -> torch.Tensor:
         """x (tokens, in) with the tokens of group g in the g-th run of `group_sizes[g]`
         rows -> (tokens, out)."""
-        sizes = group_sizes.tolist() if torch.is_tensor(group_sizes) else list(group_sizes)
-        if len(sizes) != self.weight.shape[0] or sum(sizes) != x.shape[0]:
-            raise ValueError(
-                f"group_sizes {sizes} must have {self.weight.shape[0]} entries summing to the "
-                f"{x.shape[0]} tokens of x"
-            )
         recipe = active_recipe(self.recipe)
-        outs = []
-        for g, xs in enumerate(x.split(sizes)):
-            w, b = self.weight[g], None if self.bias is None else self.bias[g]
-            if xs.shape[0] == 0:  # idle expert: nothing to do, its state is left alone
-                outs.append(xs.new_zeros(0, w.shape[0], dtype=_out_dtype(xs)))
-            elif recipe is None:
-                outs.append(F.linear(xs, w, b))
-            else:
-                states = self._states(recipe, g)
-                outs.append(fp8_linear(xs, w, b, recipe, states, self.fp8_activation))
-        return torch.cat(outs)  # (tokens, out)
+        states = None if recipe is None else [self._states(recipe, g) for g in range(self.n_gemms)]
+        return fp8_grouped_linear(
+            x, self.weight, group_sizes, recipe, self.bias, states, self.fp8_activation
+        )
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: list[int] | torch.Tensor,
+    recipe: Recipe | None,
+    bias: torch.Tensor | None = None,
+    states: list[dict[str, DelayedState | None]] | None = None,
+    fp8_activation: bool = False,
+) -> torch.Tensor:
+    """Per-group y_g = x_g W_gᵀ (+ b_g) for tokens sorted by group: x (tokens, in), weight
+    (groups, out, in) -> (tokens, out); `recipe` None runs plain `F.linear`s.
+
+    Each non-empty group is one FP8 linear with its own scales: per-tensor recipes scale
+    each expert's tokens and weight on their own (one outlier token moves only its
+    expert's scale), blockwise uses 1 x 128 token tiles and a 128 x 128 grid per expert's
+    weight, as DeepGEMM's grouped contiguous GEMM does. An empty group (an idle expert)
+    computes nothing and leaves its state alone. The gradient of `weight` reaches every
+    group through the slices (zeros for idle groups)."""
+    sizes = group_sizes.tolist() if torch.is_tensor(group_sizes) else list(group_sizes)
+    if len(sizes) != weight.shape[0] or sum(sizes) != x.shape[0]:
+        raise ValueError(
+            f"group_sizes {sizes} must have {weight.shape[0]} entries summing to the "
+            f"{x.shape[0]} tokens of x"
+        )
+    outs = []
+    for g, xs in enumerate(x.split(sizes)):
+        w, b = weight[g], None if bias is None else bias[g]
+        if xs.shape[0] == 0:
+            outs.append(xs.new_zeros(0, w.shape[0], dtype=_out_dtype(xs)))
+        elif recipe is None:
+            outs.append(F.linear(xs, w, b))
+        else:
+            st = None if states is None else states[g]
+            outs.append(fp8_linear(xs, w, b, recipe, st, fp8_activation))
+    return torch.cat(outs)  # (tokens, out)

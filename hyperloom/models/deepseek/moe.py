@@ -15,7 +15,10 @@ renormalised to sum to one when `moe_norm_topk` (V3) and multiplied by `moe_rout
 
 **Experts** hold their weights as (experts, out, in) tensors and run as one grouped GEMM over
 tokens sorted by expert (`torch._grouped_mm`, which this PyTorch build has on CPU as well),
-with a per-expert loop as the fallback. The layer is dropless by default (every expert takes
+with a per-expert loop as the fallback. Under `precision.fp8` (`convert_to_fp8` calls
+`enable_fp8`) the three expert GEMMs run in FP8 through the engine's grouped linear, each
+expert with its own scales (DeepSeek-V3 §3.3: blockwise 1 x 128 token tiles and 128 x 128
+weight blocks); the router stays float32. The layer is dropless by default (every expert takes
 every token routed to it, as in V3); a capacity factor c caps each expert at
 ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard, arXiv
 2006.16668) and dropping the rest — a dropped assignment simply contributes nothing, the
@@ -34,6 +37,8 @@ from torch import nn
 
 from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
+from hyperloom.engine.fp8 import DelayedScaling, Recipe
+from hyperloom.engine.fp8.modules import active_recipe, fp8_grouped_linear
 from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
 from hyperloom.models.llama.model import FeedForward
@@ -124,9 +129,30 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.grouped_mm: bool | None = None  # None = use it where it works (grouped_mm_works)
         self.ops = OpImpls()
+        self.recipe: Recipe | None = None  # FP8 GEMMs (enable_fp8)
+        self.fp8_activation = False
+
+    def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
+        """Run the expert GEMMs in FP8 with `recipe` (called by `convert_to_fp8`). Delayed
+        scaling is declined (False: the experts stay in high precision): its per-expert amax
+        histories would need every expert to run on every rank each step (TE's rule), and
+        checkpoints of histories sharded over ep."""
+        if isinstance(recipe, DelayedScaling):
+            return False
+        self.recipe, self.fp8_activation = recipe, fp8_activation
+        return True
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) holding counts[e] consecutive rows for expert e -> (N, dim)."""
+        recipe = active_recipe(self.recipe) if self.recipe is not None else None
+        if recipe is not None:
+            sizes = counts.tolist()
+
+            def fp8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return fp8_grouped_linear(a, w, sizes, recipe, fp8_activation=self.fp8_activation)
+
+            h = ops.swiglu(fp8_mm(x, self.w1), fp8_mm(x, self.w3), self.ops.swiglu)
+            return fp8_mm(h, self.w2)  # (N, dim)
         use = self.grouped_mm
         if use is None:
             use = grouped_mm_works(x.device.type, x.dtype)

@@ -701,16 +701,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
 
 
 def _fp8_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
-    """FP8 with tp > 1: per-tensor recipes reduce their amax over the group; block recipes
-    need every tensor-parallel shard to be whole scale blocks (hyperloom.parallel.
-    tensor_parallel); rowwise scales span the sharded contraction dimension."""
+    """FP8 with tp > 1: per-tensor recipes reduce their amax over the group, rowwise its row
+    amaxes where the contraction dimension is sharded; block recipes need every
+    tensor-parallel shard to be whole scale blocks (hyperloom.parallel.tensor_parallel)."""
     m, fp8, tp = cfg.model, cfg.precision.fp8, cfg.parallel.tp
-    if fp8 == "rowwise":
-        return [
-            f"precision.fp8 = 'rowwise' with parallel.tp = {tp} is not supported: per-row "
-            f"scales span the contraction dimension, which tensor parallelism shards; use "
-            f"'current', 'delayed', 'blockwise' or 'mxfp8'"
-        ]
     block = {"blockwise": 128, "mxfp8": 32}.get(fp8)
     if block is None or m.n_heads <= 0 or m.dim % m.n_heads:
         return []

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_linear
-from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling, RowwiseScaling
+from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling
 from hyperloom.engine.ops import linear_cross_entropy
 
 SEQ_DIM = 1
@@ -163,7 +163,8 @@ class _TPLinear(Fp8State, nn.Module):
     use the whole tensor's scale and delayed histories stay identical across ranks.
     Blockwise / MXFP8 scales are local to their blocks: equal to one process's when the
     sharded dimension is a whole number of blocks, which is checked here. Rowwise scales span
-    the contraction dimension, which one of each layer's GEMMs has sharded: not supported.
+    the contraction dimension, which one of each layer's GEMMs has sharded: the engine
+    all-reduces (MAX) those row amaxes through the same callback.
     """
 
     sharded_roles: tuple[str, ...] = ()
@@ -173,11 +174,6 @@ class _TPLinear(Fp8State, nn.Module):
         if recipe is None:
             self.recipe, self.fp8_amax_history, self.fp8_scale = None, None, None
             return
-        if isinstance(recipe, RowwiseScaling) and _world(group) > 1:
-            raise ValueError(
-                "precision.fp8 = 'rowwise' with tensor parallelism is not supported: per-row "
-                "scales span the contraction dimension, which tp shards"
-            )
         blocked = isinstance(recipe, (BlockwiseScaling, MXFP8Scaling))
         if blocked and _world(group) > 1 and shard_size % recipe.block:
             raise ValueError(

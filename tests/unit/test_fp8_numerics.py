@@ -86,9 +86,13 @@ def test_current_scaling_hand_worked():
 
 def test_rowwise_hand_worked():
     x = torch.tensor([[1.0, -2.0], [0.5, 4.0], [0.0, 0.0]])
-    q = quantize_for(x, RowwiseScaling(), "weight")
+    q = quantize_for(x, RowwiseScaling(power_2_scale=False), "weight")
     assert q.scale_inv.flatten().tolist() == pytest.approx([2 / 448, 4 / 448, 1.0])
     assert q.data.float().tolist() == [[224.0, -448.0], [56.0, 448.0], [0.0, 0.0]]
+    # The default rounds the multipliers 224 and 112 down to 128 and 64 (torchao's rowwise).
+    q = quantize_for(x, RowwiseScaling(), "weight")
+    assert q.scale_inv.flatten().tolist() == [1 / 128, 1 / 64, 1.0]
+    assert q.data.float().tolist() == [[128.0, -256.0], [32.0, 256.0], [0.0, 0.0]]
 
 
 def test_blockwise_tiles_pow2_and_padding():

@@ -27,14 +27,9 @@ def job(fp8: str, tp: int = 2, pp: int = 1, **model) -> dict:
     }
 
 
-@pytest.mark.parametrize("fp8", ["current", "delayed", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("fp8", ["current", "delayed", "rowwise", "blockwise", "mxfp8"])
 def test_fp8_with_tp_is_accepted(fp8):
     assert config_from_dict(job(fp8), world_size=2).precision.fp8 == fp8
-
-
-def test_rowwise_with_tp_is_rejected():
-    with pytest.raises(ConfigError, match="rowwise.*contraction dimension"):
-        config_from_dict(job("rowwise"), world_size=2)
 
 
 @pytest.mark.parametrize(("fp8", "block"), [("blockwise", 128), ("mxfp8", 32)])
@@ -92,3 +87,54 @@ def test_reduce_amax_hook_makes_shards_quantize_like_the_whole(recipe):
     assert torch.equal(torch.cat(parts, dim=1), whole)
     alone = fp8_linear(x, w[128:], None, recipe)  # without the hook: its own scale
     assert torch.equal(alone, whole[:, 128:]) == isinstance(recipe, BlockwiseScaling)
+
+
+def test_rowwise_shards_reduce_row_amaxes_like_the_whole():
+    """Rowwise under tp with two shards, the all-reduce MAX played by callbacks that add the
+    other shard's row amaxes: a row-parallel layer's (K split) output and a column-parallel
+    layer's (N split) input gradient equal the whole layer's up to FP32 summation order;
+    without the reduction the shards' own row scales give other numbers."""
+    from hyperloom.engine.fp8 import RowwiseScaling
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, generator=g)
+    w = torch.randn(128, 256, generator=g)
+    x[:, :128] *= 10  # the halves of each row have very different amaxes
+    w[:64] *= 10
+    dy = torch.randn(8, 128, generator=g)
+    recipe = RowwiseScaling()
+    halves = (slice(0, 128), slice(128, 256))
+
+    def grads(xs, ws, dys, hooks=None):
+        xs, ws = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        y = fp8_linear(xs, ws, None, recipe, reduce_amax=hooks)
+        (y * dys).sum().backward()
+        return y.detach(), xs.grad
+
+    y, dx = grads(x, w, dy)
+
+    def with_rows(other: torch.Tensor):  # row amaxes of the other shard, max-reduced
+        return lambda t: torch.maximum(t, other.abs().amax(1, keepdim=True))
+
+    # Row-parallel: x and W split along K; their row amaxes are reduced in forward.
+    parts, alone = [], []
+    for s, o in zip(halves, halves[::-1], strict=True):
+        hooks = {"input": with_rows(x[:, o]), "weight": with_rows(w[:, o])}
+        parts.append(grads(x[:, s], w[:, s], dy, hooks)[0])
+        alone.append(grads(x[:, s], w[:, s], dy)[0])
+    assert torch.allclose(sum(parts), y, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(sum(alone), y, rtol=1e-5, atol=1e-4)
+
+    # Column-parallel: W and dy split along N; dy's and Wᵀ's rows (along N) are reduced.
+    n_halves = (slice(0, 64), slice(64, 128))
+    parts = []
+    for s, o in zip(n_halves, n_halves[::-1], strict=True):
+        dy_o, wt_o = dy[:, o], w[o].t()
+
+        def reduce(t: torch.Tensor, dy_o=dy_o, wt_o=wt_o) -> torch.Tensor:
+            return with_rows(dy_o if t.shape[0] == dy_o.shape[0] else wt_o)(t)
+
+        y_s, dx_s = grads(x, w[s], dy[:, s], {"weight": reduce, "grad_output": reduce})
+        assert torch.equal(y_s, y[:, s])  # forward is local: K is whole
+        parts.append(dx_s)
+    assert torch.allclose(sum(parts), dx, rtol=1e-5, atol=1e-4)

@@ -51,7 +51,13 @@ from torch import nn
 
 from hyperloom.engine.fp8.formats import ROLES
 from hyperloom.engine.fp8.gemm import fp8_gemm
-from hyperloom.engine.fp8.recipes import CurrentScaling, DelayedScaling, DelayedState, Recipe
+from hyperloom.engine.fp8.recipes import (
+    CurrentScaling,
+    DelayedScaling,
+    DelayedState,
+    Recipe,
+    RowwiseScaling,
+)
 from hyperloom.engine.fp8.recipes import quantize_for as _q
 
 # --------------------------------------------------------------------------- the context
@@ -130,8 +136,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         with _no_autocast(x.device):
             x2d = x.reshape(-1, x.shape[-1])  # (M, K)
             red = plan.reduce_amax
+            # Rowwise scales span K: reduced only when K is sharded (the input is then a
+            # shard too), never for a weight sharded along N (column-parallel).
+            k_whole = isinstance(plan.recipe, RowwiseScaling) and red["input"] is None
+            red_w = None if k_whole else red["weight"]
             qx = _q(x2d, plan.recipe, "input", plan.states["input"], red["input"])
-            qw = _q(weight, plan.recipe, "weight", plan.states["weight"], red["weight"])
+            qw = _q(weight, plan.recipe, "weight", plan.states["weight"], red_w)
             y = fp8_gemm(qx, qw)  # (M, N) fp32
             if bias is not None:
                 y = y + bias.float()
@@ -153,8 +163,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
             red = plan.reduce_amax["grad_output"]
             qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"], red)
-            if ctx.needs_input_grad[0]:
-                wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight")
+            if ctx.needs_input_grad[0]:  # Wᵀ along N: sharded with grad_output (rowwise)
+                wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight", None, red)
                 dx = fp8_gemm(qdy, wt).to(ctx.x_dtype).view(ctx.x_shape)  # (…, K)
         want_w = ctx.needs_input_grad[1]
         want_b = ctx.has_bias and ctx.needs_input_grad[2]
@@ -211,9 +221,12 @@ def fp8_linear(
     the roles whose tensor here is a shard of a larger one (tensor parallelism: weight and
     grad_output of a column-parallel layer, input and weight of a row-parallel one) to a
     callback returning the max of an amax over all shards; per-tensor recipes (delayed,
-    current) then use the whole tensor's scale on every shard. Blockwise and MXFP8 scales are
-    local to their blocks and need no reduction when shards are whole blocks (the caller
-    checks); rowwise scales of a tensor sharded along K are not supported.
+    current) then use the whole tensor's scale on every shard. Rowwise reduces row amaxes
+    where a GEMM's contraction dimension is sharded: K when "input" is given (row-parallel:
+    x and W in forward), N when "grad_output" is given (column-parallel: dy and Wᵀ in the
+    data-gradient GEMM); the weight-gradient GEMM contracts over the tokens, never sharded
+    here. Blockwise and MXFP8 scales are local to their blocks and need no reduction when
+    shards are whole blocks (the caller checks).
     """
     states = states or dict.fromkeys(ROLES)
     reduce_amax = {role: (reduce_amax or {}).get(role) for role in ROLES}

@@ -29,7 +29,12 @@ let a single outlier squeeze every other value towards the subnormals. Default f
 scales). One scale per row of each GEMM operand along the contraction dimension: an outlier
 only costs its own row (token / output channel) precision. The backward GEMMs contract over
 other dimensions, so the weight and the activation are quantized again along columns
-(a transposed copy), which costs an extra read each. Default format E4M3 everywhere.
+(a transposed copy), which costs an extra read each. Default format E4M3 everywhere, scales
+rounded down to powers of two (torchao's default for this recipe): rescaling is exact, and
+a last-bit change of a row's amax almost never changes its scale -- with exact scales
+fmt_max / amax it would, moving the row's every element and flipping FP8 roundings, which
+made tp = 2 drift from one process by 1e-3 after one step (measured) where power-of-two
+scales agree to FP32 round-off.
 
 **Blockwise** (DeepSeek-V3, arXiv 2412.19437 §3.3; TE `Float8BlockScaling`; DeepGEMM).
 Activations and gradients get one scale per 1 x 128 tile (a token's 128 channels), weights
@@ -50,8 +55,11 @@ Blackwell, at the cost of a coarser (power-of-two) scale. By default the scale e
 ceil(log2(amax / 448)) as in TE (never saturates); the OCP reference rounding
 floor(log2 amax) - 8 is available.
 
-Every recipe here needs no communication between ranks except delayed and current scaling
-under tensor parallelism, whose per-tensor amax must be reduced over the shards of a tensor.
+Every recipe here needs no communication between ranks except under tensor parallelism:
+delayed and current scaling reduce a sharded tensor's amax over its shards, and rowwise
+reduces the row amaxes of an operand whose contraction dimension is sharded (the input and
+weight of a row-parallel linear in forward; the output gradient and transposed weight of a
+column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each.
 """
 
 from __future__ import annotations
@@ -118,9 +126,11 @@ class CurrentScaling(_RecipeBase):
 
 @dataclass(frozen=True)
 class RowwiseScaling(CurrentScaling):
-    """One scale per row along the contraction dimension (current amax of each row)."""
+    """One scale per row along the contraction dimension (current amax of each row), rounded
+    down to a power of two as torchao's rowwise recipe does (`round_scales_to_power_of_2`)."""
 
     fp8_format: str = "e4m3"
+    power_2_scale: bool = True
 
     name = "rowwise"
 
@@ -219,10 +229,13 @@ def quantize_for(
     """Quantize a 2-D (rows, K) operand for `role` ("input", "weight", "grad_output") with
     `recipe`; K, the last dimension, is the GEMM's contraction dimension.
 
-    `reduce_amax` (per-tensor recipes only): x is one shard of a larger tensor, and this
-    callback returns the maximum of an amax over all shards (e.g. an all-reduce MAX over a
+    `reduce_amax`: x is one shard of a larger tensor, and this callback returns the
+    elementwise maximum of an amax tensor over all shards (e.g. an all-reduce MAX over a
     tensor-parallel group), so every shard gets the whole tensor's scale -- and delayed
-    scaling records the whole tensor's amax, keeping histories identical across shards."""
+    scaling records the whole tensor's amax, keeping histories identical across shards.
+    Rowwise: x is a slice of K (the contraction dimension) and the callback reduces the
+    (rows, 1) row amaxes, so each row gets the scale of its whole row. Blockwise and MXFP8
+    ignore it (their blocks must not straddle shards)."""
     fmt = format_for(recipe.fp8_format, role)
     rows, cols = x.shape
     if isinstance(recipe, DelayedScaling):
@@ -234,12 +247,12 @@ def quantize_for(
         state.record(reduce_amax(amax) if reduce_amax is not None else amax)
         return q
     if isinstance(recipe, RowwiseScaling):
-        if reduce_amax is not None:
-            raise ValueError(
-                "rowwise scaling of a sharded tensor is not supported: per-row scales span "
-                "the contraction dimension, which tensor parallelism shards"
-            )
-        return quantize_current(x, (1, cols), fmt, recipe.amax_epsilon, recipe.power_2_scale)
+        if reduce_amax is None:
+            return quantize_current(x, (1, cols), fmt, recipe.amax_epsilon, recipe.power_2_scale)
+        # x holds a slice of K: each row's amax is the max over every shard's slice of it.
+        amax = reduce_amax(x.detach().abs().amax(dim=1, keepdim=True).float())  # (rows, 1)
+        scale = scale_from_amax(amax, fmt.max, recipe.amax_epsilon, recipe.power_2_scale)
+        return quantize_blocks(x, (1, cols), fmt, scale)
     if isinstance(recipe, CurrentScaling):
         amax = x.detach().abs().amax().float().view(1, 1)
         if reduce_amax is not None:

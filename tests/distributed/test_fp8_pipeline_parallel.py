@@ -10,6 +10,12 @@ the order in which the step's loss is summed, and the weights stay bitwise equal
 scaling's gathered amax histories must match the single process's to 1e-5 (measured 6e-8),
 and a fresh pipeline given the saved weights and the gathered FP8 state takes the next step
 bit for bit like the pipeline that went on (checkpoint resume under pp).
+
+DualPipe (current, blockwise) also equals one process (measured <= 7.4e-8). Delayed scaling
+under DualPipe is not held to the single process: each of a chunk's two copies sees half of
+the micro-batches, so its histories follow another sequence (measured: losses 1.1e-3 apart
+after 5 steps, histories 1.5 relative), and a resume gives both copies the first holder's
+histories, so it is not bitwise there.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("fp8_pp_worker.py")
 CASES = [f"{r}:{s}" for r in ("current", "delayed", "blockwise") for s in ("1f1b", "zb-h1")]
+CASES += ["current:dualpipe", "blockwise:dualpipe"]
 
 
 def test_fp8_pp2_equals_one_process(tmp_path):
@@ -35,11 +42,14 @@ def test_fp8_pp2_equals_one_process(tmp_path):
     bad = []
     for r in results:
         split = r["case"].endswith("zb-h1")
+        dualpipe = r["case"].endswith("dualpipe")
         if (
             len(r["loss"]) != 5
             or max(r["loss"]) > 1e-5
             # rank 0's 2 layers x 7 FP8 linears x 4 micro-batches x 5 steps, all at W
-            or r["fp8_wgrad_deferred"] != (2 * 7 * 4 * 5 if split else 0)
+            # (DualPipe splits the backward of only some of its micro-batches)
+            or (not dualpipe and r["fp8_wgrad_deferred"] != (2 * 7 * 4 * 5 if split else 0))
+            or (dualpipe and not r["fp8_wgrad_deferred"])
             or r.get("history_vs_single", 0.0) > 1e-5
             or r.get("resume_bitwise") is False
             or (r["case"].startswith("delayed") and r.get("resume_bitwise") is not True)

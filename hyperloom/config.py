@@ -293,7 +293,7 @@ class ResilienceConfig:
     inject: str = knob(
         "",
         "fault drill: kind@step[,...] with kind nan_grad, loss_spike, crash, hang, "
-        "kill_during_save, disk_full (also from HYPERLOOM_INJECT)",
+        "kill_during_save, disk_full, writer_crash (also from HYPERLOOM_INJECT)",
     )
 
 
@@ -744,9 +744,15 @@ def _resilience_problems(cfg: JobConfig) -> list[str]:
             "set checkpoint.every > 0 (or use 'skip' or 'stop')"
         )
     try:
-        parse_inject(r.inject)
+        faults = parse_inject(r.inject)
     except ValueError as exc:
         p.append(f"resilience.inject: {exc}")
+        faults = []
+    if any(f.kind == "writer_crash" for f in faults) and not cfg.checkpoint.async_save:
+        p.append(
+            "resilience.inject: writer_crash crashes the background checkpoint writer; "
+            "set checkpoint.async_save = true"
+        )
     return p
 
 

@@ -26,6 +26,9 @@ Choices and their reasons:
 - **Failures.** A writer that raises is reported (event `checkpoint_failed`) at the next save
   or at the end, and the next save starts a fresh write; the previous committed checkpoint
   stays the latest. A writer killed with the process leaves the previous one committed too.
+  The writer is a thread, so "the writer dies" means an exception unwinds it (any
+  BaseException is caught at its top: the `writer_crash` drill raises one half-way through
+  the files); a writer that could be killed on its own would be a separate process.
 """
 
 from __future__ import annotations

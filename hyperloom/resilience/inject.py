@@ -10,7 +10,14 @@ fired, so a restarted or rolled-back run does not meet the same fault again):
 - `hang@k`: the process stops making progress after step k (the watchdog's job);
 - `kill_during_save@k`: the process dies while the checkpoint of step k is half written;
 - `disk_full@k`: writing the checkpoint of step k fails half-way with ENOSPC (the writer
-  raises; training goes on).
+  raises; training goes on);
+- `writer_crash@k`: the background writer of step k's checkpoint dies half-way (it raises
+  `WriterCrash` once part of the files is written: in the writer thread of the whole
+  format, inside DCP's asynchronous write of the sharded one); the process and training go
+  on. Needs `checkpoint.async_save = true`.
+
+The save faults strike once the first file is on disk: the weights of the whole format, this
+rank's shard files of the sharded one (before DCP's `.metadata`).
 
 Without `:rN` the numeric faults hit every rank and the process faults hit rank 0. The
 variable HYPERLOOM_INJECT adds specs to the config's, for drills on an existing config.
@@ -35,10 +42,25 @@ if TYPE_CHECKING:  # config validation parses specs: keep this module free of to
 
 log = logging.getLogger("hyperloom.resilience")
 
-KINDS = ("nan_grad", "loss_spike", "crash", "hang", "kill_during_save", "disk_full")
+KINDS = (
+    "nan_grad",
+    "loss_spike",
+    "crash",
+    "hang",
+    "kill_during_save",
+    "disk_full",
+    "writer_crash",
+)
+SAVE_FAULTS = ("kill_during_save", "disk_full", "writer_crash")
 NUMERIC = ("nan_grad", "loss_spike")
 SPIKE_FACTOR = 30.0
 CRASH_EXIT = 43  # exit status of an injected crash (distinct from errors, 1, and usage, 2)
+
+
+class WriterCrash(BaseException):
+    """The checkpoint writer died half-way (the writer_crash drill). A BaseException, like
+    the SystemExit that ends a thread: no `except Exception` on the way catches it, only the
+    writer's own top level, which must then report the save as failed."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +146,17 @@ class FaultInjector:
             return die
         if self.faults and self._take("disk_full", step):
             return _disk_full
+        if self.faults and self._take("writer_crash", step):
+            return _writer_crash
         return None
 
 
 def _disk_full() -> None:
     raise OSError(errno.ENOSPC, "No space left on device (injected by the disk_full drill)")
+
+
+def _writer_crash() -> None:
+    raise WriterCrash("the checkpoint writer died half-way (injected by the writer_crash drill)")
 
 
 def die() -> None:

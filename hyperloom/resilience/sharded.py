@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hyperloom.parallel.parallelize import ParallelModel
@@ -296,6 +297,32 @@ def load_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 # --------------------------------------------------------------------------- writer
 
 
+def _first_failure(exc: BaseException) -> BaseException:
+    """DCP wraps the failures of every rank in one CheckpointException whose text is a
+    traceback per rank; the report names the first failing rank's own exception."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return min(exc.failures.items())[1][0]
+    return exc
+
+
+class _ShardWriter(dcp.FileSystemWriter):
+    """DCP's file writer (fsynced), with a drill hook: `after_first_file` runs once this
+    rank's shard files are written, inside DCP's write step (for async saves, DCP's
+    background thread), so a save fault leaves what a real one would: shards but no
+    `.metadata`, and DCP reports the failure to every rank."""
+
+    def __init__(self, path: Path, after_first_file: Callable[[], None] | None) -> None:
+        super().__init__(str(path), sync_files=True)
+        self.after_first_file = after_first_file
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if self.after_first_file is not None:
+            written.wait()
+            self.after_first_file()
+        return written
+
+
 class ShardedCheckpointWriter(CheckpointWriter):
     """`CheckpointWriter` for the sharded format: every rank calls `save` with its own
     `sharded_state`; the main rank's `train_state` and `extra_files` join the checkpoint.
@@ -328,9 +355,9 @@ class ShardedCheckpointWriter(CheckpointWriter):
             extra_files = {**extra_files, "train_state.pt": buf.getvalue()}
         if self.distributed:
             dist.barrier(group=self.group)  # the directory exists and is empty
-        writer = dcp.FileSystemWriter(str(ckpt.staging_dir(self.run_dir, step)), sync_files=True)
+        writer = _ShardWriter(ckpt.staging_dir(self.run_dir, step), after_first_file)
         kw = dict(storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
-        finish = (step, extra_files, meta, protect, after_first_file)
+        finish = (step, extra_files, meta, protect)
         if self.async_save:
             future = dcp.async_save(model_state, **kw)  # staged to CPU when it returns
             self._thread = threading.Thread(
@@ -353,20 +380,17 @@ class ShardedCheckpointWriter(CheckpointWriter):
         files: dict[str, str | bytes],
         meta: dict[str, Any],
         protect: frozenset[int],
-        after_first_file: Callable[[], None] | None,
     ) -> None:
         """Steps 2-5 of the protocol (module doc), on every rank."""
         tmp = ckpt.staging_dir(self.run_dir, step)
         error: BaseException | None = None
         hashes: dict[str, str] = {}
         try:
-            upload()
-            if after_first_file is not None:
-                after_first_file()
+            upload()  # a rank's failure inside DCP's write fails it on every rank
             # Each rank hashes the shard files it wrote (in parallel); the main rank the rest.
             hashes = ckpt.hash_files(tmp, f"__{self.rank}_*.distcp")
         except BaseException as exc:  # noqa: BLE001 - agreed on below, then reported
-            error = exc
+            error = _first_failure(exc)
         reports = self._gather((error is None, hashes))
         committed = None
         if self.rank == 0 and error is None:

@@ -257,7 +257,10 @@ def latest_verified(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]
     rejected = []
     for ckpt in sorted(found, key=lambda p: (p.name[:13], p.name), reverse=True):
         if not _STEP_RE.match(ckpt.name) or not (ckpt / "meta.json").is_file():
-            rejected.append(f"{ckpt.name} is not committed (no meta.json): an interrupted save")
+            # A step_N/ was renamed into place with its meta.json: the record was lost since.
+            tmp = ckpt.name.endswith(".tmp")
+            how = "an interrupted save" if tmp else "its commit record is gone"
+            rejected.append(f"{ckpt.name} is not committed (no meta.json): {how}")
             continue
         try:
             verify_checkpoint(ckpt)

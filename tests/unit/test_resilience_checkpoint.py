@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from hyperloom.config import load_config
 from hyperloom.data import ResumableLoader
 from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import json_events
-from hyperloom.resilience.inject import CRASH_EXIT
+from hyperloom.resilience.inject import CRASH_EXIT, FaultInjector, WriterCrash
 from hyperloom.resilience.sharded import ShardedCheckpointWriter
 from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.trainer import Trainer
@@ -200,6 +201,58 @@ def test_kill_during_save_leaves_the_previous_checkpoint_latest(writer_cls, tmp_
         writer.save(4, state, {"step": 4}, {}, {})  # the next save succeeds
         writer.wait()
         assert ckpt.latest_verified(root) == (ckpt.checkpoint_root(root) / "step_00000004", [])
+
+
+@pytest.mark.parametrize("writer_cls", [CheckpointWriter, ShardedCheckpointWriter])
+def test_a_crashed_async_writer_publishes_nothing_and_the_next_save_commits(writer_cls, tmp_path):
+    state = {"w": torch.arange(4.0)}
+    failures: list[tuple[int, BaseException]] = []
+    writer = writer_cls(
+        tmp_path, keep=2, async_save=True, on_failure=lambda s, e: failures.append((s, e))
+    )
+    writer.save(2, state, {"step": 2}, {}, {})
+    crash = FaultInjector("writer_crash@4", tmp_path, rank=0).save_fault(4)
+    on_main_thread = []
+
+    def crash_here() -> None:
+        on_main_thread.append(threading.current_thread() is threading.main_thread())
+        crash()
+
+    writer.save(4, state, {"step": 4}, {}, {}, after_first_file=crash_here)
+    writer.wait()
+    assert on_main_thread == [False]  # the background writer died, not the training thread
+    ((step, exc),) = failures
+    assert step == 4 and isinstance(exc, WriterCrash)
+    # Part of the files is on disk, never the commit record (nor, sharded, DCP's .metadata).
+    part = "model.safetensors" if writer_cls is CheckpointWriter else "__0_0.distcp"
+    assert sorted(f.name for f in ckpt.staging_dir(tmp_path, 4).iterdir()) == [part]
+    latest, rejected = ckpt.latest_verified(tmp_path)
+    assert latest.name == "step_00000002" and rejected[0].startswith("step_00000004.tmp")
+    writer.save(6, state, {"step": 6}, {}, {})  # the next save commits and clears step 4's
+    writer.wait()
+    assert failures == [(4, exc)]
+    assert sorted(p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()) == [
+        "step_00000002",
+        "step_00000006",
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["whole", "sharded"])
+def test_writer_crash_then_a_crash_resumes_bitwise(fmt, reference, tiny_job_args, cli, tmp_path):
+    """The writer_crash drill's run: step 4's async save dies half-way, training goes on, the
+    process is killed after step 7; the resume never sees step 4 and ends bit for bit."""
+    args = tiny_job_args(tmp_path, **COMMON, checkpoint__async_save=True, checkpoint__format=fmt)
+    args += ["--resilience.inject", "writer_crash@4,crash@7"]
+    proc = cli("train", *args)
+    assert proc.returncode == CRASH_EXIT, proc.stderr[-2000:]
+    log = (tmp_path / "events.log").read_text()
+    assert "[checkpoint_failed] the checkpoint of step 4 was not committed (WriterCrash" in log
+    committed = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)]
+    assert committed in ([2], [2, 6])  # step 6's save may still have been in flight
+    s = Trainer(load_config(None, args)).run().summary
+    assert (s["steps"], s["steps_this_run"]) == (STEPS, STEPS - committed[-1])
+    final = ckpt.checkpoint_root(tmp_path) / f"step_{STEPS:08d}"
+    assert_same_weights(ckpt.load_model_state(final), final_weights(reference))
 
 
 def test_disk_full_mid_save_publishes_nothing_and_training_goes_on(

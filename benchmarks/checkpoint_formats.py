@@ -14,7 +14,6 @@ benchmarks/results/checkpoint_formats.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import machine  # noqa: E402 - benchmarks/ is on sys.path (scripts run from there)
 from checkpoint_stall import job  # noqa: E402
 
 from hyperloom.config import load_config  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> int:
         out = {"config": vars(args), "torch": torch.__version__, "formats": rows}
         out["load_average_1min"] = os.getloadavg()[0]
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        machine.write_results(args.json, out)
         print(f"wrote {args.json}")
     return exit_worker(0)
 

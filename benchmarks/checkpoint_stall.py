@@ -28,7 +28,6 @@ baseline's blocks. Results go to benchmarks/results/checkpoint_stall.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -41,6 +40,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402 - benchmarks/ is on sys.path (scripts run from there)
 
 from hyperloom.config import load_config  # noqa: E402
 from hyperloom.train.trainer import Trainer  # noqa: E402
@@ -167,7 +168,7 @@ def main() -> int:
         "met": ratio <= 0.10,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    machine.write_results(args.json, out)
     print(f"wrote {args.json}")
     return 0
 

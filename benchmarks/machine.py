@@ -9,10 +9,12 @@ others used meanwhile, so disturbed steps can be counted instead of averaged in 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import resource
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -112,3 +114,13 @@ def machine_info(threads: int, device: str) -> dict[str, Any]:
     except OSError:
         info["cpu_model"] = None
     return info
+
+
+def write_results(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write a benchmark's JSON with this machine's paths taken out: the repository root
+    becomes repository-relative and the temporary directory `$TMPDIR`, so results describe the
+    project, not where it ran."""
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    tmp = tempfile.gettempdir().rstrip("/")
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    Path(path).write_text(text.replace(root, "").replace(tmp + "/", "$TMPDIR/"))

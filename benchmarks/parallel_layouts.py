@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": lines,
         "wall_time_s": elapsed,
     }
-    args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    machine.write_results(args.json, payload)
     print(f"wrote {args.json} ({elapsed:.0f} s)")
     failed = any("error" in r for r in results)
     parity_failed = args.dtype == "fp32" and any(

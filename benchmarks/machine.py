@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,8 +120,9 @@ def machine_info(threads: int, device: str) -> dict[str, Any]:
 def write_results(path: str | Path, payload: dict[str, Any]) -> None:
     """Write a benchmark's JSON with this machine's paths taken out: the repository root
     becomes repository-relative and the temporary directory `$TMPDIR`, so results describe the
-    project, not where it ran."""
+    project, not where it ran (the interpreter is called `python`)."""
     root = str(Path(__file__).resolve().parent.parent) + "/"
     tmp = tempfile.gettempdir().rstrip("/")
     text = json.dumps(payload, indent=2, default=str) + "\n"
-    Path(path).write_text(text.replace(root, "").replace(tmp + "/", "$TMPDIR/"))
+    text = text.replace(sys.executable, "python").replace(root, "")
+    Path(path).write_text(text.replace(tmp + "/", "$TMPDIR/"))

@@ -11,6 +11,8 @@ first accelerator PyTorch sees, else the CPU):
 - device-memory bandwidth, as a large tensor copy (read + write), so ``mem_eff`` = 1;
 - attention: `scaled_dot_product_attention` (causal) forward and forward + backward, as
   fractions of the GEMM peak on their causal FLOPs;
+- on CPU, the allocator's retention: peak RSS over peak live bytes of a training-shaped
+  loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``;
 - collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
   processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
   least squares, giving the scale-up bandwidth B and per-step latency alpha. One machine has
@@ -238,6 +240,13 @@ def calibrate(
         "memory_gbs": mem,
         "attention_tflops": {"forward": attn_f, "backward": attn_b},
     }
+    host_factor = 1.0
+    if cpu:
+        from hyperloom.planner.host_memory import measure_allocator_retention
+
+        retention = measure_allocator_retention(steps=3 if quick else 6)
+        raw["allocator_retention"] = retention
+        host_factor = retention.get("factor", 1.0)
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
     if collectives and world > 1:
         sizes = [2**p for p in (range(12, 25, 4) if quick else range(10, 27, 2))]
@@ -261,6 +270,7 @@ def calibrate(
         inter_eff=1.0,
         inter_latency_us=link["intra_latency_us"],
         gpus_per_node=world,
+        host_alloc_factor=host_factor,
         source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
         gemm_table=tuple((s, t / peak) for s, t in gemms),
     )
@@ -276,6 +286,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{raw['device']}: GEMM peak {profile.bf16_tflops:.3f} TFLOP/s, memory "
         f"{profile.hbm_gbs:.1f} GB/s, attention {profile.attn_fwd_eff:.0%}/"
         f"{profile.attn_bwd_eff:.0%} of peak, all-reduce "
-        f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step -> {path}"
+        f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step"
+        + (
+            f", host allocator {profile.host_alloc_factor:.2f}x resident/live"
+            if profile.host_alloc_factor != 1.0
+            else ""
+        )
+        + f" -> {path}"
     )
     return 0

@@ -74,6 +74,9 @@ class Accelerator:
     inter_eff: float = 0.9
     inter_latency_us: float = 5.0
     gpus_per_node: int = 8
+    # Resident bytes per live byte at a rank's peak: a CPU allocator's freed-but-kept pages
+    # (measured by `plan calibrate`, `host_memory.py`); 1.0 for device memory.
+    host_alloc_factor: float = 1.0
     source: str = ""
     # Calibrated GEMM efficiencies: ((m, n, k), eff) pairs, nearest shape wins.
     gemm_table: tuple[tuple[tuple[int, int, int], float], ...] = field(default=())

@@ -32,6 +32,14 @@ receive buffers of the routed copies, or the all-gather dispatcher's gathered ro
 pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``),
 and a plan must leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and
 NCCL.
+
+Two runtime facts apply where the `Runtime` says so (`strategy.job_runtime`, the training
+self-check's runtime): ZeRO-1's FP32 masks over its slice (``zero1_mask_bytes``), and the
+fused, chunked cross-entropy, which saves no logits but keeps the FP32 input and weight
+gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
+(`ce_working_bytes`). A CPU profile's ``host_alloc_factor`` (measured by `plan calibrate`,
+`host_memory.py`) turns the live peak into resident bytes: `Memory.allocator` is the
+difference, 0 on devices.
 """
 
 from __future__ import annotations
@@ -56,15 +64,21 @@ class Memory:
     transient: float = 0.0  # one backward's working set
     buffers: float = 0.0  # autocast/FP8 weight copies, DDP buckets, FSDP gathers
     step_peak: float = 0.0  # states + optimizer-step temporaries (activations freed)
+    allocator: float = 0.0  # host allocator's freed-but-resident pages (CPU, host_memory.py)
 
     @property
     def states(self) -> float:
         return self.params + self.grads + self.optimizer
 
     @property
-    def peak(self) -> float:
+    def live(self) -> float:
+        """Peak bytes held by tensors."""
         run = self.states + self.activations + self.transient + self.buffers
         return max(run, self.step_peak)
+
+    @property
+    def peak(self) -> float:
+        return self.live + self.allocator
 
     @property
     def reserved(self) -> float:
@@ -72,7 +86,7 @@ class Memory:
 
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
-        d.update(states=self.states, peak=self.peak, reserved=self.reserved)
+        d.update(states=self.states, live=self.live, peak=self.peak, reserved=self.reserved)
         return d
 
 
@@ -110,15 +124,28 @@ def states(
     p, g = rt.param_bytes * params, rt.grad_bytes * params
     if s.zero == 0:
         return p, g, opt
-    if s.zero == 1:
-        return p, g, opt / dp
+    if s.zero == 1:  # plus the runtime's per-element masks over the owned slice
+        return p, g, (opt + rt.zero1_mask_bytes * params) / dp
     grads = g if (rt.fsdp_unsharded_accumulation and s.microbatches > 1) else g / dp
     return p / dp, grads, opt / dp
 
 
-def chunk_activation_extras(spec: ModelSpec, s: Strategy, seq: int, first: bool, last: bool):
-    """Saved bytes of a chunk beyond its layers: the head's input and FP32 logits (last),
-    the embedding dropout mask (first, GPT-style models)."""
+def ce_chunk_tokens(tokens: float, dim: int, vocab: float) -> int:
+    """Tokens per chunk of the fused cross-entropy: `engine.ops.cross_entropy.
+    auto_chunk_tokens` (Liger's ~tokens*dim/vocab, a power of two, at least 256)."""
+    n = int(tokens)
+    per_chunk = -(-n // max(1, -(-int(vocab) // dim)))
+    return max(256, 1 << (per_chunk - 1).bit_length())
+
+
+def chunk_activation_extras(
+    spec: ModelSpec, s: Strategy, seq: int, first: bool, last: bool, fused_ce: bool = False
+):
+    """Saved bytes of a chunk beyond its layers: on the last chunk the final norm's input and
+    either the head's input and FP32 logits or, with the fused cross-entropy
+    (`engine/ops/cross_entropy.py`), the FP32 input and weight gradients its forward already
+    formed (tokens x dim and the vocab/tp x dim head slice, kept until backward); the
+    embedding dropout mask (first, GPT-style models)."""
     tokens = s.mbs * seq / s.cp
     sp = s.sp and s.tp > 1
     x_sp = tokens * spec.dim / (s.tp if sp else 1)
@@ -126,9 +153,24 @@ def chunk_activation_extras(spec: ModelSpec, s: Strategy, seq: int, first: bool,
     if first and spec.dropout:
         out += x_sp
     if last:  # and per MTP depth its own head input and logits
-        head = 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
+        if fused_ce:
+            head = 2 * x_sp + 4.0 * tokens * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
+        else:
+            head = 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
         out += head * (1 + spec.mtp_depth)
     return out
+
+
+def ce_working_bytes(spec: ModelSpec, s: Strategy, seq: int) -> float:
+    """The fused cross-entropy forward's temporaries on the last chunk: the BF16 weight copy
+    (2 B per head weight) and, per chunk of c tokens, 16 B per logit (BF16 logits, their FP32
+    upcast and exponentials, the FP32 softmax gradient, its BF16 cast and transpose). Both
+    coefficients are what `AllocationTracker` sees the operator allocate on two shapes
+    (tests/unit/test_planner_host_memory.py)."""
+    tokens = s.mbs * seq / s.cp
+    vocab = spec.vocab_size / s.tp
+    c = min(tokens, ce_chunk_tokens(tokens, spec.dim, vocab))
+    return 2.0 * vocab * spec.dim + 16.0 * c * vocab
 
 
 @dataclass(frozen=True)
@@ -171,18 +213,20 @@ def rank_memory(
     in_flight: int,
     w_pending: int,
     chunk_experts: list[float] | None = None,
+    host_alloc_factor: float = 1.0,
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
-    that is local routed experts (ep > 1)."""
+    that is local routed experts (ep > 1); `host_alloc_factor` is the accelerator profile's
+    resident-over-live ratio (CPU allocator retention, 1 on devices)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
     p, g, o = states(params, s, rt, expert)
     unit = max(
         (layers[c] + (spec.mtp_depth if c == last else 0)) * lm.saved
-        + chunk_activation_extras(spec, s, seq, c == 0, c == last)
+        + chunk_activation_extras(spec, s, seq, c == 0, c == last, rt.fused_cross_entropy)
         for c in chunks
     )
     n_layers = sum(layers[c] for c in chunks)
@@ -190,11 +234,14 @@ def rank_memory(
 
     # One backward's working set: a recomputed layer plus gradient buffers; on the last
     # chunk the cross-entropy's BF16 logits and FP32 temporaries (its saved FP32 exp is in
-    # the chunk extras).
+    # the chunk extras), or the fused operator's chunk temporaries.
     transient = lm.working
     if last in chunks:
-        logits = s.mbs * seq / s.cp * spec.vocab_size / s.tp
-        transient = max(transient, 10.0 * logits)
+        if rt.fused_cross_entropy:
+            transient = max(transient, ce_working_bytes(spec, s, seq))
+        else:
+            logits = s.mbs * seq / s.cp * spec.vocab_size / s.tp
+            transient = max(transient, 10.0 * logits)
 
     layer_params = spec.layer_params() / s.tp
     layer_matmul = spec.layer_matmul_params()
@@ -214,7 +261,7 @@ def rank_memory(
     step_peak = p + g + o
     if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master:
         step_peak += rt.grad_bytes * params  # the flat gradient copy reduce-scattered
-    return Memory(
+    live = Memory(
         params=p,
         grads=g,
         optimizer=o,
@@ -223,3 +270,6 @@ def rank_memory(
         buffers=buffers,
         step_peak=step_peak,
     )
+    if host_alloc_factor == 1.0:
+        return live
+    return dataclasses.replace(live, allocator=(host_alloc_factor - 1.0) * live.live)

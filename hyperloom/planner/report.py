@@ -32,8 +32,16 @@ from hyperloom.pipeline.plot import plot_timeline as draw_timeline  # noqa: E402
 from hyperloom.planner.hardware import GIB  # noqa: E402
 from hyperloom.planner.simulate import Plan, prepare  # noqa: E402
 
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "transient", "buffers")
-_COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD")
+MEMORY_PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "transient",
+    "buffers",
+    "allocator",  # a CPU allocator's retained pages (0 on devices)
+)
+_COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#999999")
 
 
 def _fmt_time(t: float) -> str:

@@ -35,7 +35,7 @@ from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import GIB, Accelerator, Cluster, load_profile, save_profile
 from hyperloom.planner.model import ModelSpec
-from hyperloom.planner.strategy import Strategy
+from hyperloom.planner.strategy import Runtime, Strategy, job_runtime
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -71,9 +71,18 @@ def job_strategy(
     )
 
 
+def runtime_of(job: JobConfig) -> Runtime:
+    """The planner's runtime for this job: the fused cross-entropy unless its ops keep the
+    reference loss (vocab-parallel heads always run the chunked operator)."""
+    ops = job.ops
+    fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
+    return job_runtime(fused_cross_entropy=fused)
+
+
 def cached_profile(cache: Path, kind: str, dtype: str, world: int) -> Accelerator:
     """This machine's measured profile for (device kind, dtype, world); measured if absent."""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}.json"
+    # v2: CPU profiles carry the allocator retention (`host_memory.py`)
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}-v2.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate
@@ -113,7 +122,7 @@ def self_check(
     strategy = job_strategy(job)
     cluster = Cluster(profile, world, gpus_per_node=world)
     try:
-        plan = predict(spec, cluster, strategy, job.data.seq_len, "hyperloom", margin_gib=0.0)
+        plan = predict(spec, cluster, strategy, job.data.seq_len, runtime_of(job), margin_gib=0.0)
     except PlanError as exc:
         return {"plan_error": str(exc)}
     out: dict[str, Any] = {
@@ -122,6 +131,8 @@ def self_check(
         "predicted_step_s": plan.step_time,
         "measured_step_s": measured_step_s,
         "predicted_peak_memory_gb": plan.peak_memory / 1e9,
+        "predicted_live_memory_gb": max(m.live for m in plan.memory) / 1e9,
+        "plan_host_alloc_factor": profile.host_alloc_factor,
         "measured_peak_memory_gb": None
         if measured_peak_bytes is None
         else measured_peak_bytes / 1e9,

@@ -316,8 +316,10 @@ def memory_per_rank(
     rt: Runtime,
     prep: Prepared,
     ranks: tuple[int, ...] | None = None,
+    host_alloc_factor: float = 1.0,
 ) -> list[Memory]:
-    """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last)."""
+    """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last);
+    `host_alloc_factor` from the accelerator profile (`Accelerator.host_alloc_factor`)."""
     _, in_flight, w_pending = prep.structure()
     return [
         rank_memory(
@@ -332,6 +334,7 @@ def memory_per_rank(
             in_flight[r],
             w_pending[r],
             list(prep.experts),
+            host_alloc_factor,
         )
         for r in (range(s.pp) if ranks is None else ranks)
     ]
@@ -468,7 +471,7 @@ def predict(
         step_time=step,
         bubble_fraction=1.0 - busy_all / (s.pp * makespan) if makespan else 0.0,
         mfu=flops / (step * cluster.gpus * cluster.accel.bf16_tflops * 1e12),
-        memory=memory_per_rank(spec, s, seq, rt, prep),
+        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.accel.host_alloc_factor),
         capacity=(cluster.accel.hbm_gib - margin_gib) * GIB,
         breakdown=parts[finish.index(step)],
         simulated_microbatches=m_runs[0],

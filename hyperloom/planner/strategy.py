@@ -18,7 +18,13 @@ which communication is overlapped with compute and how well. Two are built in:
   gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
   weight alive while any micro-batch that used it awaits its backward (+2 B/param).
   Tensor-parallel collectives are not overlapped, and under sequence parallelism the
-  column-parallel linears save the gathered input.
+  column-parallel linears save the gathered input. Two facts of the runtime are off in the
+  built-in ``hyperloom`` (so that device-memory numbers stay comparable with the published
+  validation) and on in `job_runtime`, which the training self-check uses: ZeRO-1 also keeps
+  two FP32 masks over its slice (weight decay, tensor-parallel shard; +8/dp B/param), and
+  the output layer and the loss are one fused, chunked operator
+  (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32 input and weight
+  gradients in its forward and keeps them until backward.
 - ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
   BF16 parameters and FP32 main gradients, 2 + 4 + 12 = 18 B/param (zero 0), 6 + 12/dp
   (zero 1 = distributed optimizer), 18/dp (zero 3); ``--overlap-grad-reduce
@@ -67,6 +73,8 @@ class Runtime:
     param_bytes: int = 4  # bytes per parameter as stored (4 = FP32 master is the param)
     grad_bytes: int = 4  # bytes per gradient (FP32)
     zero1_separate_master: bool = True  # ZeRO-1 keeps its own FP32 master slice
+    zero1_mask_bytes: int = 0  # ZeRO-1's FP32 per-element masks over its slice (job_runtime)
+    fused_cross_entropy: bool = False  # chunked head + loss, grads formed in the forward
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
     ddp_bucket_copy: bool = True  # DDP buckets duplicate the gradients
     fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
@@ -92,6 +100,14 @@ class Runtime:
                 self, param_bytes=2, autocast_weight_copy=False, param_gather_bytes=2
             )
         return dataclasses.replace(self, param_bytes=4)
+
+
+def job_runtime(fused_cross_entropy: bool = True, base: str = "hyperloom") -> Runtime:
+    """The hyperloom runtime as a training job runs it (module docstring): ZeRO-1's masks, and
+    the fused cross-entropy unless the job's ops keep the reference loss."""
+    return dataclasses.replace(
+        RUNTIMES[base], zero1_mask_bytes=8, fused_cross_entropy=fused_cross_entropy
+    )
 
 
 RUNTIMES = {

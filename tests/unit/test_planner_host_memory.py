@@ -1,0 +1,118 @@
+"""The memory terms a training job adds beyond the device-memory model, against hand-worked
+bytes: ZeRO-1's masks, the fused cross-entropy's kept gradients and chunk temporaries, and a
+CPU profile's allocator retention."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from hyperloom.config import load_config
+from hyperloom.engine.ops.cross_entropy import auto_chunk_tokens, linear_cross_entropy
+from hyperloom.engine.ops.memory import AllocationTracker
+from hyperloom.planner.hardware import Cluster, get_accelerator
+from hyperloom.planner.memory import (
+    ce_chunk_tokens,
+    ce_working_bytes,
+    chunk_activation_extras,
+    states,
+)
+from hyperloom.planner.model import ModelSpec
+from hyperloom.planner.selfcheck import runtime_of
+from hyperloom.planner.simulate import predict
+from hyperloom.planner.strategy import RUNTIMES, Strategy, job_runtime
+
+# A small Llama: dim 64, vocab 1000, 2 layers.
+SMALL = ModelSpec("small", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                  vocab_size=1000)  # fmt: skip
+
+
+def test_zero1_masks_add_8_bytes_per_owned_parameter():
+    s = Strategy(dp=4, zero=1, microbatches=1)
+    # 1000 params: param 4000 + grad 4000 + (master 4 + Adam 8 + two masks 8) * 1000 / 4
+    assert states(1000, s, job_runtime()) == pytest.approx((4000, 4000, 5000))
+    assert states(1000, s, RUNTIMES["hyperloom"])[2] == pytest.approx(3000)  # device model
+    assert states(1000, Strategy(dp=4, zero=0), job_runtime())[2] == pytest.approx(8000)
+
+
+def test_fused_head_keeps_its_gradients_not_logits():
+    s = Strategy(mbs=2, microbatches=1)
+    # 2 x 16 tokens: final-norm input 2*32*64 + input grad 4*32*64 + weight grad 4*1000*64
+    assert chunk_activation_extras(SMALL, s, 16, False, True, True) == 4096 + 8192 + 256000
+    # the unfused head: norm and head inputs 2 * 2*32*64, FP32 logits 4*32*1000
+    assert chunk_activation_extras(SMALL, s, 16, False, True) == 8192 + 128000
+    tp2 = dataclasses.replace(s, tp=2, sp=False)  # vocab-parallel: half the weight gradient
+    assert chunk_activation_extras(SMALL, tp2, 16, False, True, True) == 4096 + 8192 + 128000
+    sp = dataclasses.replace(tp2, sp=True)  # the norm input is sequence-sharded
+    assert chunk_activation_extras(SMALL, sp, 16, False, True, True) == 2048 + 8192 + 128000
+
+
+@pytest.mark.parametrize(("tokens", "dim", "vocab"), [(32, 64, 1000), (2048, 384, 16384),
+                                                      (8192, 4096, 128256), (1000, 64, 8192)])  # fmt: skip
+def test_chunk_rule_is_the_operators(tokens, dim, vocab):
+    assert ce_chunk_tokens(tokens, dim, vocab) == auto_chunk_tokens(tokens, dim, vocab)
+
+
+def test_ce_working_bytes_by_hand():
+    # 32 tokens (< the 256-token minimum chunk): BF16 weight copy 2*1000*64, and 16 B per
+    # logit of the one 32-token chunk
+    s = Strategy(mbs=2, microbatches=1)
+    assert ce_working_bytes(SMALL, s, 16) == 2 * 1000 * 64 + 16 * 32 * 1000
+    # 2048 tokens of a 16k vocabulary split over tp 2: 256-token chunks of 8192 logits
+    big = dataclasses.replace(SMALL, dim=384, vocab_size=16384)
+    tp2 = Strategy(tp=2, mbs=8, microbatches=1)
+    assert ce_working_bytes(big, tp2, 256) == 2 * 8192 * 384 + 16 * 256 * 8192
+
+
+@pytest.mark.parametrize(("tokens", "dim", "vocab"), [(1024, 128, 4096), (512, 384, 16384)])
+def test_fused_cross_entropy_allocates_what_the_model_says(tokens, dim, vocab):
+    """The operator's own allocations: the kept gradients exactly, the forward's peak within
+    10% of kept + working (the eager path, as a dispatch mode sees it)."""
+    h = torch.randn(tokens, dim, requires_grad=True)
+    w = (torch.randn(vocab, dim) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    with AllocationTracker() as t:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(h, w, labels)
+        kept, fwd_peak = t.live_bytes, t.peak_bytes
+    loss.backward()
+    spec = dataclasses.replace(SMALL, dim=dim, vocab_size=vocab)
+    s = Strategy(mbs=1, microbatches=1)
+    extras = chunk_activation_extras(spec, s, tokens, False, True, True)
+    assert kept == pytest.approx(extras - 2 * tokens * dim, abs=4096)  # all but the norm input
+    assert fwd_peak == pytest.approx(kept + ce_working_bytes(spec, s, tokens), rel=0.1)
+
+
+def test_host_alloc_factor_scales_the_live_peak_and_leaves_devices_alone():
+    s = Strategy(dp=1, mbs=1, microbatches=1)
+    cpu = dataclasses.replace(get_accelerator("h100"), host_alloc_factor=1.4)
+    plain = predict(SMALL, Cluster(get_accelerator("h100"), 1, 1), s, 16, margin_gib=0)
+    held = predict(SMALL, Cluster(cpu, 1, 1), s, 16, margin_gib=0)
+    m0, m1 = plain.memory[0], held.memory[0]
+    assert m0.allocator == 0 and m0.peak == m0.live
+    assert m1.live == pytest.approx(m0.live)
+    assert m1.allocator == pytest.approx(0.4 * m0.live) and m1.peak == pytest.approx(1.4 * m0.live)
+    assert all(a.host_alloc_factor == 1.0 for a in map(get_accelerator, ("h100", "a100")))
+
+
+def test_self_check_runtime_follows_the_job_ops():
+    job = load_config(None, ["--ops.fused", "false"])
+    assert not runtime_of(job).fused_cross_entropy
+    assert runtime_of(load_config(None, [])).fused_cross_entropy
+    assert runtime_of(job).zero1_mask_bytes == 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2 and /proc")
+def test_allocator_retention_is_measured_in_a_fresh_process():
+    from hyperloom.planner.host_memory import measure_allocator_retention
+
+    got = measure_allocator_retention(steps=1)
+    if not got:
+        pytest.skip("no glibc mallinfo2 here")
+    assert got["peak_live_bytes"] > 100e6  # params, Adam, activations of the fixed loop
+    assert 1.0 <= got["factor"] < 3.0
+    assert got["factor"] == pytest.approx(got["peak_resident_bytes"] / got["peak_live_bytes"])

@@ -93,6 +93,7 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
+    import machine
     from planner_validation import CONFIGS
     from rich.console import Console
     from rich.table import Table
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.out)
     done = json.loads(results.read_text()) if results.exists() else {}
     done[name] = ranks
-    results.write_text(json.dumps(done, indent=1))
+    machine.write_results(results, done)
     return 0
 
 

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "within_targets": {"step_time_15pct": ok_t, "memory_10pct": ok_m, "of": len(results)},
         "fitted_efficiency": eff,
     }
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    machine.write_results(args.out, record)
     console.print(f"wrote {args.out}")
     for r in results:
         if "error" in r:

@@ -98,8 +98,8 @@ class ExpertParallelExperts(Experts):
             raise ValueError(f"{n_experts} experts do not split over ep = {ep} ranks")
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown expert dispatcher {dispatcher!r}; known: {DISPATCHERS}")
-        super().__init__(n_experts // ep, dim, hidden)  # on the device of `experts` (meta)
-        self.to(experts.w1.device)
+        with torch.device(experts.w1.device):  # meta: a 671B model's experts allocate nothing
+            super().__init__(n_experts // ep, dim, hidden)
         for p in self.parameters():
             p.shard_spec = (0, ep_rank, ep)  # this rank's experts: a slice along dim 0
             p.shard_group = "ep"

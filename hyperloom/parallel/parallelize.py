@@ -1,7 +1,8 @@
-"""Apply a parallel layout to a single-device model, in one fixed order: TP/SP, then DP.
+"""Apply a parallel layout to a single-device model, in one fixed order: TP/SP, then EP
+(`expert_parallel`, called from `parallelize`), then DP.
 
-(Expert, context parallelism, recompute and compile slot in between, in that order, as they
-land.) A model family describes tensor parallelism as data — a plan mapping module paths
+(Context parallelism, recompute and compile slot in between, in that order, as they land.)
+A model family describes tensor parallelism as data — a plan mapping module paths
 (with `*` for a layer index) to a style — and this module knows what each style means:
 
 - "colwise" / "rowwise": Megatron column/row-parallel linears;

@@ -69,6 +69,32 @@ def test_bf16_autocast_matches_reference():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("impl", ["fused_eager", "fused"])
+def test_bf16_weight_gradient_in_vocab_blocks(monkeypatch, impl):
+    """The low-precision ∂W update in several vocabulary blocks (a reused buffer, one
+    partial last block) over several token chunks equals the float32 sum of the same
+    bf16 products: each block is rounded once to bf16, as one unblocked GEMM would be."""
+    from hyperloom.engine.ops import cross_entropy as ce
+
+    h, w, labels = make(40, 16, 90, ignore=4)
+    monkeypatch.setattr(ce, "GRAD_W_BLOCK_BYTES", 16 * 2 * 32)  # 32 rows of 16 bf16 a block
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, gw = loss_and_grads(
+            ops.linear_cross_entropy, h, w, labels, chunk_tokens=16, impl=impl
+        )
+    monkeypatch.setattr(ce, "GRAD_W_BLOCK_BYTES", 2**30)  # one block
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, one = loss_and_grads(
+            ops.linear_cross_entropy, h, w, labels, chunk_tokens=16, impl=impl
+        )
+    assert gw.dtype == torch.float32
+    torch.testing.assert_close(gw, one, atol=0, rtol=0)
+    # and against float32 arithmetic on the same bf16 operands, within bf16 rounding
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = loss_and_grads(ops.linear_cross_entropy_reference, h, w, labels)[2]
+    torch.testing.assert_close(gw, want, atol=2e-2, rtol=2e-2)
+
+
 def test_no_grad_forward_skips_the_gradients():
     h, w, labels = make(20, 8, 30)
     with torch.no_grad(), AllocationTracker() as t:

@@ -91,19 +91,42 @@ def _logit_grad(z, m, s, idx, inside, row_scale):
 GRAD_W_BLOCK_BYTES = 128 * 2**20  # bound on the temporary of a low-precision ∂W update
 
 
-def _accumulate_grad_w(grad_w: torch.Tensor, dz: torch.Tensor, hk: torch.Tensor) -> None:
-    """grad_w (vocab, dim) float32 += dzᵀ hk, without a (vocab, dim) temporary.
+@kernel
+def _add_into(acc: torch.Tensor, x: torch.Tensor) -> None:
+    # float32 += low precision in one pass; eager PyTorch first copies x to a float32
+    # temporary (measured on CPU at a (16384, 384) block: 10 ms compiled vs 35 ms eager for
+    # the product and the add together).
+    acc.add_(x.to(acc.dtype))
+
+
+def _accumulate_grad_w(
+    grad_w: torch.Tensor,
+    dz: torch.Tensor,
+    hk: torch.Tensor,
+    buf: torch.Tensor | None = None,
+    compile: bool = True,
+) -> torch.Tensor | None:
+    """grad_w (vocab, dim) float32 += dzᵀ hk, without a (vocab, dim) float32 temporary.
 
     Same dtype: one in-place addmm. Low-precision dz/hk (autocast): the product is formed a
-    block of vocabulary rows at a time and added in float32 (CPU has no mixed-dtype addmm).
+    block of vocabulary rows at a time into `buf` (low precision, reused across chunks so
+    the chunks do not each fault in fresh pages) and added in float32 (CPU has no
+    mixed-dtype addmm). `dz[:, rows]ᵀ` is a valid strided GEMM operand, so no transposed
+    copy of dz is made. Returns the buffer for the next chunk.
     """
     if dz.dtype == grad_w.dtype:
         grad_w.addmm_(dz.T, hk)
-        return
-    dz_t = dz.T.contiguous()  # (vocab, c): row blocks of it are contiguous GEMM operands
-    rows = max(1, GRAD_W_BLOCK_BYTES // (hk.shape[1] * dz.element_size()))
-    for v0 in range(0, grad_w.shape[0], rows):
-        grad_w[v0 : v0 + rows].add_(dz_t[v0 : v0 + rows] @ hk)  # (rows, dim), float32 += bf16
+        return buf
+    vocab, dim = grad_w.shape
+    rows = min(vocab, max(1, GRAD_W_BLOCK_BYTES // (dim * dz.element_size())))
+    if buf is None or buf.shape != (rows, dim) or buf.dtype != dz.dtype:
+        buf = torch.empty(rows, dim, dtype=dz.dtype, device=dz.device)
+    for v0 in range(0, vocab, rows):
+        v1 = min(v0 + rows, vocab)
+        out = buf[: v1 - v0]
+        torch.mm(dz[:, v0:v1].T, hk, out=out)  # (rows, dim) in the low precision
+        _add_into(grad_w[v0:v1], out, compile=compile)
+    return buf
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -130,6 +153,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_grad and weight.requires_grad:
                 grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            buf = None  # the low-precision ∂W block, reused by every chunk
             for start in range(0, n, chunk):
                 hk = hc[start : start + chunk]  # (c, dim)
                 z = hk @ wc.T  # (c, vocab), one chunk of logits
@@ -152,7 +176,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[start : start + chunk] = dz @ wc  # (c, dim)
                 if grad_w is not None:
-                    _accumulate_grad_w(grad_w, dz, hk)
+                    buf = _accumulate_grad_w(grad_w, dz, hk, buf, compile)
         # Kept as plain attributes, not save_for_backward: backward hands over the only
         # reference, so autograd can adopt ∂W as weight.grad instead of copying 2 GiB.
         ctx.grads = (grad_h, grad_w)

@@ -207,6 +207,12 @@ class TrainConfig:
     eval_batches: int = knob(8, "validation batches per evaluation")
     device: str = knob("auto", "cpu, cuda, musa, ... or auto (see hyperloom.accelerator)")
     compile: bool = knob(False, "wrap the model in torch.compile")
+    host_allocator: str = knob(
+        "cache",
+        "CPU runs: glibc malloc keeps freed memory for reuse, as a caching allocator does "
+        "(cache), or is left as it is (system); see hyperloom.accelerator",
+        choices=["cache", "system"],
+    )
 
 
 @dataclass(frozen=True)

@@ -209,9 +209,15 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
 
 
 def calibrate(
-    device: str = "auto", dtype: str = "bf16", quick: bool = False, collectives: bool = True
+    device: str = "auto",
+    dtype: str = "bf16",
+    quick: bool = False,
+    collectives: bool = True,
+    host_allocator: str = "cache",
 ) -> tuple[Accelerator, dict]:
-    """Measure this machine; returns the profile and the raw measurements."""
+    """Measure this machine; returns the profile and the raw measurements. On CPU the
+    measurements run under `host_allocator` (`accelerator.configure_host_allocator`), the
+    policy of the training runs the profile is for."""
     acc = get_device(device)
     cpu = acc.kind == "cpu"
     dt = DTYPES[dtype]
@@ -244,7 +250,7 @@ def calibrate(
     if cpu:
         from hyperloom.planner.host_memory import measure_allocator_retention
 
-        retention = measure_allocator_retention(steps=3 if quick else 6)
+        retention = measure_allocator_retention(steps=3 if quick else 6, policy=host_allocator)
         raw["allocator_retention"] = retention
         host_factor = retention.get("factor", 1.0)
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
@@ -280,7 +286,7 @@ def calibrate(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    profile, raw = calibrate(quick=args.quick)
+    profile, raw = calibrate(quick=args.quick, host_allocator=args.host_allocator)
     path = save_profile(profile, args.out, raw)
     Console().print(
         f"{raw['device']}: GEMM peak {profile.bf16_tflops:.3f} TFLOP/s, memory "

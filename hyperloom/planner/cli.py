@@ -110,6 +110,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--png-prefix", metavar="PREFIX", help="write memory/timeline/top-k PNGs")
     p.add_argument("--out", default="hyperloom-profile.json", help="calibrate: output file")
     p.add_argument("--quick", action="store_true", help="calibrate: fewer shapes and sizes")
+    p.add_argument(
+        "--host-allocator",
+        choices=["cache", "system"],
+        default="cache",
+        help="calibrate on CPU: the training runs' train.host_allocator policy",
+    )
     p.set_defaults(func=cmd_plan, accepts_overrides=True)
     return p
 

@@ -75,13 +75,20 @@ def live_heap_bytes() -> int | None:
     return m.uordblks + m.hblkhd
 
 
-def _retention_loop(steps: int) -> dict[str, float]:
+def _retention_loop(steps: int, policy: str = "cache") -> dict[str, float]:
     """The measurement itself (run in a fresh interpreter by `measure_allocator_retention`)."""
     import torch
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hyperloom.accelerator import Accelerator, peak_rss_bytes, reset_peak_rss
+    from hyperloom.accelerator import (
+        Accelerator,
+        configure_host_allocator,
+        peak_rss_bytes,
+        reset_peak_rss,
+    )
+
+    applied = configure_host_allocator(policy)  # as the trainer does, before any tensor
 
     if live_heap_bytes() is None or not Path("/proc/self/clear_refs").exists():
         return {}
@@ -135,21 +142,23 @@ def _retention_loop(steps: int) -> dict[str, float]:
         "peak_live_bytes": peak_live,
         "peak_resident_bytes": resident,
         "factor": resident / peak_live if peak_live > 0 else 1.0,
+        "host_allocator": applied,
     }
 
 
-def measure_allocator_retention(steps: int = 4) -> dict[str, float]:
-    """Peak RSS over peak live bytes of a training-shaped loop in a fresh CPU process (module
-    docstring); {} where it cannot be measured (no glibc, no /proc), and the factor is 1."""
+def measure_allocator_retention(steps: int = 4, policy: str = "cache") -> dict[str, float]:
+    """Peak RSS over peak live bytes of a training-shaped loop in a fresh CPU process under
+    the host allocator `policy` (module docstring); {} where it cannot be measured (no
+    glibc, no /proc), and the factor is 1."""
     code = (
         "import json, sys; from hyperloom.planner.host_memory import _retention_loop; "
-        "print(json.dumps(_retention_loop(int(sys.argv[1]))))"
+        "print(json.dumps(_retention_loop(int(sys.argv[1]), sys.argv[2])))"
     )
     # One thread, as each rank of a multi-process CPU job runs (torchrun's OMP_NUM_THREADS).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, str(steps)],
+            [sys.executable, "-c", code, str(steps), policy],
             capture_output=True,
             text=True,
             env=env,

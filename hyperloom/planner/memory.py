@@ -163,14 +163,18 @@ def chunk_activation_extras(
 
 def ce_working_bytes(spec: ModelSpec, s: Strategy, seq: int) -> float:
     """The fused cross-entropy forward's temporaries on the last chunk: the BF16 weight copy
-    (2 B per head weight) and, per chunk of c tokens, 16 B per logit (BF16 logits, their FP32
-    upcast and exponentials, the FP32 softmax gradient, its BF16 cast and transpose). Both
+    and the BF16 block of ∂W reused by every chunk (2 B per head weight each, the block at
+    most `GRAD_W_BLOCK_BYTES`) and, per chunk of c tokens, 16 B per logit (BF16 logits, their
+    FP32 upcast and exponentials, the FP32 softmax gradient and its BF16 cast). The
     coefficients are what `AllocationTracker` sees the operator allocate on two shapes
     (tests/unit/test_planner_host_memory.py)."""
+    from hyperloom.engine.ops.cross_entropy import GRAD_W_BLOCK_BYTES
+
     tokens = s.mbs * seq / s.cp
     vocab = spec.vocab_size / s.tp
     c = min(tokens, ce_chunk_tokens(tokens, spec.dim, vocab))
-    return 2.0 * vocab * spec.dim + 16.0 * c * vocab
+    weight = 2.0 * vocab * spec.dim
+    return weight + min(weight, GRAD_W_BLOCK_BYTES) + 16.0 * c * vocab
 
 
 @dataclass(frozen=True)

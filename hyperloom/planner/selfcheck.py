@@ -79,16 +79,22 @@ def runtime_of(job: JobConfig) -> Runtime:
     return job_runtime(fused_cross_entropy=fused)
 
 
-def cached_profile(cache: Path, kind: str, dtype: str, world: int) -> Accelerator:
-    """This machine's measured profile for (device kind, dtype, world); measured if absent."""
-    # v2: CPU profiles carry the allocator retention (`host_memory.py`)
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}-v2.json"
+def cached_profile(
+    cache: Path, kind: str, dtype: str, world: int, host_allocator: str = "cache"
+) -> Accelerator:
+    """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
+    allocator policy); measured if absent."""
+    # v3: CPU profiles measure under the run's host allocator policy (`host_memory.py`)
+    policy = f"-{host_allocator}" if kind == "cpu" else ""
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v3.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate
 
     log.info("calibrating the planner on this machine once (cached in %s)", path)
-    profile, raw = calibrate(kind, dtype, quick=True, collectives=world > 1)
+    profile, raw = calibrate(
+        kind, dtype, quick=True, collectives=world > 1, host_allocator=host_allocator
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path, {"measurements": raw})
     return profile

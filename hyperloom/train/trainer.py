@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyperloom.accelerator import DTYPES, get_accelerator, measure_matmul_tflops
+from hyperloom.accelerator import (
+    DTYPES,
+    configure_host_allocator,
+    get_accelerator,
+    measure_matmul_tflops,
+)
 from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
@@ -64,6 +69,8 @@ class Trainer:
         t = cfg.train
         self.run_dir = Path(cfg.logging.run_dir)
         self.acc = get_accelerator(t.device, index=int(os.environ.get("LOCAL_RANK", "0")))
+        if self.acc.kind == "cpu":  # before any large tensor: the heap serves them all
+            self.host_allocator = configure_host_allocator(t.host_allocator)
         init_distributed(self.acc)
         self.mesh = build_mesh(cfg.parallel, self.acc)
         self.dtype = DTYPES[cfg.precision.dtype]
@@ -288,7 +295,9 @@ class Trainer:
         try:
             if choice == "auto":
                 root = cache_root(cfg.data)
-                profile = cached_profile(root, self.acc.kind, cfg.precision.dtype, world)
+                profile = cached_profile(
+                    root, self.acc.kind, cfg.precision.dtype, world, cfg.train.host_allocator
+                )
             else:
                 profile = load_profile(choice)
             share = 1.0
@@ -412,6 +421,8 @@ class Trainer:
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
         summary["layout"] = self.mesh.describe()
+        if self.acc.kind == "cpu":
+            summary["host_allocator"] = self.host_allocator
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
         above_baseline = max(self._per_rank(train_peak - self.memory_baseline))
         steps_run = self.step - first_step

@@ -57,14 +57,19 @@ def test_chunk_rule_is_the_operators(tokens, dim, vocab):
 
 
 def test_ce_working_bytes_by_hand():
-    # 32 tokens (< the 256-token minimum chunk): BF16 weight copy 2*1000*64, and 16 B per
-    # logit of the one 32-token chunk
+    # 32 tokens (< the 256-token minimum chunk): BF16 weight copy and ∂W block 2 x 2*1000*64,
+    # and 16 B per logit of the one 32-token chunk
     s = Strategy(mbs=2, microbatches=1)
-    assert ce_working_bytes(SMALL, s, 16) == 2 * 1000 * 64 + 16 * 32 * 1000
+    assert ce_working_bytes(SMALL, s, 16) == 2 * 2 * 1000 * 64 + 16 * 32 * 1000
     # 2048 tokens of a 16k vocabulary split over tp 2: 256-token chunks of 8192 logits
     big = dataclasses.replace(SMALL, dim=384, vocab_size=16384)
     tp2 = Strategy(tp=2, mbs=8, microbatches=1)
-    assert ce_working_bytes(big, tp2, 256) == 2 * 8192 * 384 + 16 * 256 * 8192
+    assert ce_working_bytes(big, tp2, 256) == 2 * 2 * 8192 * 384 + 16 * 256 * 8192
+    # a 128k vocabulary at dim 4096: the ∂W block stops at 128 MiB, the weight copy does not
+    huge = dataclasses.replace(SMALL, dim=4096, vocab_size=128256)
+    one = Strategy(mbs=1, microbatches=1)
+    c = 256  # 1024 tokens: ceil(1024 / ceil(128256 / 4096)) -> 256-token minimum
+    assert ce_working_bytes(huge, one, 1024) == 2 * 128256 * 4096 + 2**27 + 16 * c * 128256
 
 
 @pytest.mark.parametrize(("tokens", "dim", "vocab"), [(1024, 128, 4096), (512, 384, 16384)])

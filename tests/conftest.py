@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,3 +100,16 @@ def tiny_job_args():
 @pytest.fixture(scope="session")
 def cli():
     return run_cli
+
+
+def train_records(run_dir: str | os.PathLike, *args: str) -> list[dict]:
+    """`python -m hyperloom train ARGS` (must succeed) -> its metrics' train records."""
+    result = run_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "train"]
+
+
+@pytest.fixture(scope="session")
+def cli_train():
+    return train_records

@@ -39,7 +39,10 @@ over tp.
 
 Checkpoints stay layout-free: an expert weight carries `shard_spec = (0, ep_rank, ep)` and
 `shard_group = "ep"`, so state gathering concatenates the ep ranks' experts into the whole
-(E, out, in) tensor and loading slices it back (`parallel.state`).
+(E, out, in) tensor and loading slices it back (`parallel.state`). Delayed FP8 scaling's
+per-expert histories (E / ep, len, 9) take the same road in the FP8 state a checkpoint keeps:
+`fp8_state_dict` gathers them whole over ep (`fp8_whole`), loading takes this rank's experts'
+rows (`fp8_piece`).
 """
 
 from __future__ import annotations
@@ -103,10 +106,25 @@ class ExpertParallelExperts(Experts):
         for p in self.parameters():
             p.shard_spec = (0, ep_rank, ep)  # this rank's experts: a slice along dim 0
             p.shard_group = "ep"
-        self.group, self.ep, self.n_local = group, ep, n_experts // ep
+        self.group, self.ep, self.ep_rank, self.n_local = group, ep, ep_rank, n_experts // ep
         self.dispatcher = dispatcher
         self.grouped_mm, self.ops = experts.grouped_mm, experts.ops
-        self.recipe, self.fp8_activation = experts.recipe, experts.fp8_activation  # FP8 GEMMs
+        if experts.recipe is not None:  # FP8 GEMMs; delayed: this rank's experts' histories
+            self.enable_fp8(experts.recipe, experts.fp8_activation)
+
+    def fp8_whole(self, buf: torch.Tensor) -> torch.Tensor:
+        """A per-expert scaling buffer (E / ep, ...) gathered into the whole (E, ...), rank
+        order = expert order, as checkpoints gather the weights (a collective over ep)."""
+        return tpl.gather_seq(buf.detach()[None], self.group)[0]  # (E, ...)
+
+    def fp8_piece(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' rows of a whole (E, ...) scaling buffer."""
+        if whole.ndim == 0 or whole.shape[0] != self.n_local * self.ep:
+            raise ValueError(
+                f"expert scaling state of shape {tuple(whole.shape)} does not split into "
+                f"ep = {self.ep} ranks of {self.n_local} experts ({self.n_local * self.ep} rows)"
+            )
+        return whole.chunk(self.ep)[self.ep_rank]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) holding counts[e] rows for global expert e -> (N, dim)."""

@@ -46,7 +46,7 @@ from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
-from hyperloom.engine.fp8.convert import fp8_state_dict, load_fp8_state_dict
+from hyperloom.engine.fp8.convert import fp8_state_dict, fp8_state_keys, load_fp8_state_dict
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
@@ -301,7 +301,7 @@ class PipelineModel(ParallelModel):
     def load_fp8_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Give every chunk (every copy) its modules' state from a whole-model dict."""
         for chunk in self.inner.chunks.values():
-            mine = fp8_state_dict(chunk)
+            mine = fp8_state_keys(chunk)
             missing = sorted(set(mine) - set(state))
             if missing:
                 raise KeyError(f"FP8 scaling state missing for {missing[:4]}")
@@ -344,7 +344,9 @@ def build_pipeline(
         if cfg.precision.fp8 != "none":  # before tp, as `parallelize` does
             convert_to_fp8(chunk, recipe_from_name(cfg.precision.fp8), cfg.precision.fp8_keep)
         if tp > 1:
-            sp = apply_tensor_parallel(chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True)
+            sp = apply_tensor_parallel(
+                chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True
+            )
             sp_params += [f"chunks.{c}.{n}" for n in sp]
         if ep_groups is not None:
             ep = apply_expert_parallel(

@@ -35,15 +35,22 @@ MODEL = ["--model.preset", "moe-tiny", "--model.vocab_size", str(VOCAB), "--mode
 LAYOUTS = [(1, "alltoall"), (2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather")]
 
 
-def train(pm, cfg, rows: slice, tokens: torch.Tensor) -> dict:
-    """STEPS steps on `rows` of each step's global batch; losses, norms, whole gradients."""
+def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -> dict:
+    """STEPS steps on `rows` of each step's global batch; losses, norms, whole gradients.
+    `loss_scale` (a power of two): backward from the loss times it, gradients divided by it
+    before anything reads them -- the same update, output gradients scaled (see
+    fp8_ep_worker.py for why)."""
     opt = pm.make_optimizer(cfg.train)
     dp_group = pm.mesh.group("dp")
     out = {"loss": [], "norm": [], "grads": []}
     for step in range(STEPS):
         batch = tokens[step, rows]  # (rows, seq + 1)
         loss = pm.module(batch[:, :-1], labels=batch[:, 1:])
-        loss.backward()
+        (loss * loss_scale).backward()
+        if loss_scale != 1.0:
+            for p in pm.inner.parameters():
+                if p.grad is not None:
+                    p.grad.div_(loss_scale)  # exact: a power of two
         norm = pm.reduce_and_clip(opt, cfg.train.grad_clip)
         grads = {}
         for name, p in pm.inner.named_parameters():

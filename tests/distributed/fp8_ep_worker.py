@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 from expert_parallel_worker import (  # torchrun puts this directory on sys.path
     MODEL,
@@ -32,6 +33,7 @@ from expert_parallel_worker import (  # torchrun puts this directory on sys.path
 
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
+from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
 from hyperloom.parallel.mesh import ParallelMesh, exit_worker, parse_order
 
@@ -45,6 +47,35 @@ def options(case: str) -> list[str]:
     return [*MODEL, "--precision.fp8", recipe, "--precision.fp8_keep", ",".join(keep)]
 
 
+def scaling_state_checks(pm, one) -> dict:
+    """Delayed scaling's per-expert histories under ep (a collective; `one` is the
+    one-process model on rank 0, None elsewhere): the state gathered whole from both ranks
+    against the one-process state (largest difference relative to the tensor's largest
+    value), and the checkpoint round trips ep = 2 -> one process and one process -> ep = 2,
+    each exact when every expert's rows land on the right expert."""
+    state = fp8_state_dict(pm.inner)  # whole (E, len, 9) buffers, gathered over ep
+    theirs = [fp8_state_dict(one.inner) if one is not None else None]
+    dist.broadcast_object_list(theirs, src=0)
+    load_fp8_state_dict(pm.inner, theirs[0])  # one process -> ep = 2: each rank its experts
+    back = fp8_state_dict(pm.inner)
+    if one is None:
+        return {}
+    diff, worst = 0.0, ""
+    for key, a in theirs[0].items():
+        rel = ((a - state[key]).abs().max() / a.abs().max().clamp(min=1e-30)).item()
+        if rel >= diff:
+            diff, worst = rel, key
+    load_fp8_state_dict(one.inner, state)  # ep = 2 -> one process
+    again = fp8_state_dict(one.inner)
+    return {
+        "fp8_keys": sorted(state),
+        "fp8_state": diff,
+        "fp8_state_worst": worst,
+        "ep_to_one": all(torch.equal(state[k], again[k]) for k in state),
+        "one_to_ep": all(torch.equal(theirs[0][k], back[k]) for k in back),
+    }
+
+
 def main() -> None:
     report_path, cases = sys.argv[1], sys.argv[2:]
     acc = get_accelerator("cpu")
@@ -52,12 +83,16 @@ def main() -> None:
     tokens = learnable_tokens()  # (steps, batch, seq + 1), as in expert_parallel_worker
     report = {}
     for case in cases:
-        ref = None
+        ref = one = None
         if dist.get_rank() == 0:
             cfg = load_config(None, options(case), world_size=1)
             order = parse_order(cfg.parallel.order)
             mesh = ParallelMesh(dict.fromkeys(order, 1), order)
-            ref = train(parallelize(cfg, mesh, acc.device), cfg, slice(None), tokens)
+            one = parallelize(cfg, mesh, acc.device)
+            # Delayed scaling's first step quantizes with unit scales, so the output
+            # gradients' size matters there: give one process those each dp rank has.
+            scale = 2.0 if case.startswith("delayed") else 1.0
+            ref = train(one, cfg, slice(None), tokens, loss_scale=scale)
         dist.barrier()
         over = ["--parallel.dp", "2", "--parallel.ep", "2"]
         cfg = load_config(None, options(case) + over, world_size=2)
@@ -65,10 +100,12 @@ def main() -> None:
         experts = pm.inner.layers["1"].feed_forward.experts
         rank = pm.mesh.rank("dp")
         got = train(pm, cfg, slice(rank * 4, rank * 4 + 4), tokens)
+        scaling = scaling_state_checks(pm, one)
         if ref is not None:
             first = compare(*({k: v[:1] for k, v in run.items()} for run in (ref, got)))
             report[case] = {
                 **compare(ref, got),
+                **scaling,
                 "grad_step1": first["grad"],
                 "local_experts": experts.w1.shape[0],
                 "fp8_experts": getattr(experts.recipe, "name", None),

@@ -5,7 +5,8 @@ experts call `fp8_grouped_linear`, and the pipeline's split backward hands FP8 l
 queue for their weight-gradient GEMMs (`defer_weight_grads`). Where the pieces meet the
 parallel layouts: tp reduces per-tensor amaxes over the group (`reduce_amax`); pp converts
 each chunk and gathers the delayed-scaling state by global name for checkpoints
-(`hyperloom.pipeline.runtime`); ep carries the experts' recipe to each rank's experts.
+(`hyperloom.pipeline.runtime`); ep carries the experts' recipe to each rank's experts,
+whose per-expert delayed-scaling state `fp8_state_dict` gathers whole over ep.
 """
 
 from hyperloom.engine.fp8.convert import (

@@ -6,10 +6,11 @@ patterns over module paths. The defaults follow DeepSeek-V3 §3.3.1 and TE pract
 embedding, the output head, MoE routers/gates and norms keep their precision, since they are
 cheap and numerically sensitive; the attention core (softmax(QKᵀ)V) is not an `nn.Linear`
 and is never converted. MoE experts (stacked (E, out, in) weights, not `nn.Linear`) are
-switched to the engine's FP8 grouped linear; a keep pattern such as "*experts*" keeps them
-in BF16. The DeepSeek router is a float32 `F.linear` on its own parameter and never converts. Conversion runs on the meta-device model before parallelization, and
-reuses each layer's Parameter objects, so parameter names (state dicts, tensor-parallel
-shard specs) do not change.
+switched to the engine's FP8 grouped linear (every recipe, delayed with per-expert
+histories); a keep pattern such as "*experts*" keeps them in BF16. The DeepSeek router is a
+float32 `F.linear` on its own parameter and never converts. Conversion runs on the
+meta-device model before parallelization, and reuses each layer's Parameter objects, so
+parameter names (state dicts, tensor-parallel shard specs) do not change.
 """
 
 from __future__ import annotations
@@ -83,30 +84,43 @@ def reset_fp8_state(model: nn.Module) -> None:
         m.reset_fp8_state()
 
 
-def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The delayed-scaling buffers of every FP8 module, by full name, on CPU."""
-    out = {}
+def _scaling_buffers(model: nn.Module) -> Iterable[tuple[str, Fp8State, torch.Tensor]]:
+    """(full name, module, buffer) of every delayed-scaling buffer; no communication."""
     for name, m in fp8_modules(model):
         if m.fp8_amax_history is not None:
-            out[f"{name}.fp8_amax_history"] = m.fp8_amax_history.detach().cpu().clone()
-            out[f"{name}.fp8_scale"] = m.fp8_scale.detach().cpu().clone()
-    return out
+            for leaf in ("fp8_amax_history", "fp8_scale"):
+                yield f"{name}.{leaf}", m, getattr(m, leaf)
+
+
+def fp8_state_keys(model: nn.Module) -> list[str]:
+    """The names `fp8_state_dict` returns, without gathering anything."""
+    return [key for key, _, _ in _scaling_buffers(model)]
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The delayed-scaling buffers of every FP8 module, by full name, whole, on CPU. An
+    expert-parallel layer's per-expert buffers are gathered over its ep group into the
+    (experts, ...) tensors one process holds, so under ep this is a collective: call it
+    on every rank."""
+    return {key: m.fp8_whole(buf).detach().cpu().clone() for key, m, buf in _scaling_buffers(model)}
 
 
 @torch.no_grad()
 def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Restore what `fp8_state_dict` saved; the keys must match exactly."""
-    mine = fp8_state_dict(model)
+    """Restore what `fp8_state_dict` saved, whatever ep wrote it (each layer takes its
+    piece); the keys must match exactly."""
+    mine = {key: (m, buf) for key, m, buf in _scaling_buffers(model)}
     if set(mine) != set(state):
         missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         raise KeyError(
             f"FP8 scaling state does not match: missing {missing[:4]}, extra {extra[:4]}"
         )
     for key, value in state.items():
-        buf = model.get_buffer(key)
-        if buf.shape != value.shape:
+        m, buf = mine[key]
+        piece = m.fp8_piece(value)
+        if buf.shape != piece.shape:
             raise ValueError(
-                f"{key}: saved shape {tuple(value.shape)} != {tuple(buf.shape)} "
+                f"{key}: saved shape {tuple(value.shape)} does not fit {tuple(buf.shape)} "
                 f"(was the amax history length changed?)"
             )
-        buf.copy_(value)
+        buf.copy_(piece)

@@ -19,14 +19,15 @@ and re-tile it for the weight gradient, as DeepSeek-V3 does (§3.3.3), which add
 rounding. Per-tensor recipes always save only the FP8 copy: it is exactly what wgrad uses.
 
 Delayed scaling keeps per-tensor amax histories and scales in buffers (`fp8_amax_history`
-(len, 3 * gemms), `fp8_scale` (3 * gemms,); columns input, weight, grad_output per GEMM),
-so `state_dict` and checkpoints carry them; other recipes are stateless. A module in eval
-mode (validation) quantizes with the scales training would use next and leaves the state
-alone. Every training quantization
-that touches the state (input and weight in forward, grad_output in backward) updates it
-once, in the order the GEMMs run: several micro-batches per optimizer step (gradient
-accumulation, pipeline schedules) each advance the history, as TE's one update per
-`fp8_autocast` region per micro-batch does.
+(len, 3 * gemms), `fp8_scale` (3 * gemms,); columns input, weight, grad_output per GEMM; MoE
+experts put the expert first, (experts, len, 3 * gemms) and (experts, 3 * gemms), so expert
+parallelism splits them like the weights), so `state_dict` and checkpoints carry them; other
+recipes are stateless. A module in eval mode (validation) quantizes with the scales training
+would use next and leaves the state alone. Every training quantization that touches the
+state (input and weight in forward, grad_output in backward) updates it once, in the order
+the GEMMs run: several micro-batches per optimizer step (gradient accumulation, pipeline
+schedules) each advance the history, as TE's one update per `fp8_autocast` region per
+micro-batch does.
 
 Split backward (Zero Bubble, DualPipe). Under `defer_weight_grads(put)` (entered by the
 pipeline's `DeferWeightGrads`) a layer whose weight is a parameter itself hands its
@@ -57,6 +58,7 @@ from hyperloom.engine.fp8.recipes import (
     DelayedState,
     Recipe,
     RowwiseScaling,
+    observe_empty,
 )
 from hyperloom.engine.fp8.recipes import quantize_for as _q
 
@@ -205,6 +207,18 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _checked_states(
+    recipe: Recipe, states: dict[str, DelayedState | None] | None
+) -> dict[str, DelayedState | None]:
+    states = states or dict.fromkeys(ROLES)
+    if isinstance(recipe, DelayedScaling) and any(states[r] is None for r in ROLES):
+        raise ValueError(
+            "delayed scaling needs amax-history state for input, weight and grad_output; "
+            "build the layer with a DelayedScaling recipe (convert_to_fp8) to allocate it"
+        )
+    return states
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -228,13 +242,8 @@ def fp8_linear(
     here. Blockwise and MXFP8 scales are local to their blocks and need no reduction when
     shards are whole blocks (the caller checks).
     """
-    states = states or dict.fromkeys(ROLES)
+    states = _checked_states(recipe, states)
     reduce_amax = {role: (reduce_amax or {}).get(role) for role in ROLES}
-    if isinstance(recipe, DelayedScaling) and any(states[r] is None for r in ROLES):
-        raise ValueError(
-            "delayed scaling needs amax-history state for input, weight and grad_output; "
-            "build the layer with a DelayedScaling recipe (convert_to_fp8) to allocate it"
-        )
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
@@ -253,13 +262,23 @@ class _Fp8State:
     fp8_amax_history: torch.Tensor | None
     fp8_scale: torch.Tensor | None
 
-    def _setup_fp8(self, recipe: Recipe, n_gemms: int, fp8_activation: bool, device) -> None:
+    def _setup_fp8(
+        self,
+        recipe: Recipe,
+        n_gemms: int,
+        fp8_activation: bool,
+        device,
+        groups: int | None = None,
+    ) -> None:
+        """Delayed scaling: history (len, 3 * n_gemms) and scale (3 * n_gemms,), or with
+        `groups` (MoE experts split over ranks along it) (groups, len, 3 * n_gemms) and
+        (groups, 3 * n_gemms)."""
         self.recipe, self.fp8_activation, self.n_gemms = recipe, fp8_activation, n_gemms
         if isinstance(recipe, DelayedScaling):
-            n = len(ROLES) * n_gemms
-            hist = torch.zeros(recipe.amax_history_len, n, device=device)
+            lead, n = () if groups is None else (groups,), len(ROLES) * n_gemms
+            hist = torch.zeros(*lead, recipe.amax_history_len, n, device=device)
             self.register_buffer("fp8_amax_history", hist)
-            self.register_buffer("fp8_scale", torch.ones(n, device=device))
+            self.register_buffer("fp8_scale", torch.ones(*lead, n, device=device))
         else:
             self.fp8_amax_history = self.fp8_scale = None
 
@@ -270,14 +289,28 @@ class _Fp8State:
             self.fp8_amax_history.zero_()
             self.fp8_scale.fill_(1.0)
 
-    def _states(self, recipe: Recipe, gemm: int = 0) -> dict[str, DelayedState | None]:
+    def _states(
+        self, recipe: Recipe, gemm: int = 0, group: int | None = None
+    ) -> dict[str, DelayedState | None]:
+        """The input, weight and grad_output states of GEMM `gemm` (of expert `group` when
+        the buffers have a group dimension)."""
         if not isinstance(recipe, DelayedScaling) or self.fp8_amax_history is None:
             return dict.fromkeys(ROLES)
+        hist, scale = self.fp8_amax_history, self.fp8_scale
+        if group is not None:
+            hist, scale = hist[group], scale[group]  # (len, 3 * gemms), (3 * gemms,): views
         base, frozen = len(ROLES) * gemm, not self.training  # eval leaves the state alone
-        return {
-            role: DelayedState(self.fp8_amax_history, self.fp8_scale, base + i, frozen)
-            for i, role in enumerate(ROLES)
-        }
+        return {role: DelayedState(hist, scale, base + i, frozen) for i, role in enumerate(ROLES)}
+
+    # Checkpoints hold the scaling state whole; a layer whose buffers are this rank's piece
+    # of it (expert parallelism) overrides these two.
+    def fp8_whole(self, buf: torch.Tensor) -> torch.Tensor:
+        """The whole-model value of scaling buffer `buf` (a collective where it is split)."""
+        return buf
+
+    def fp8_piece(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole scaling buffer read from a checkpoint."""
+        return whole
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
         # A state dict from a plain nn.Linear (or a stateless recipe) has no scaling state:
@@ -379,6 +412,29 @@ class Fp8GroupedLinear(_Fp8State, nn.Module):
         )
 
 
+class _IdleGroupFn(torch.autograd.Function):
+    """A group with no rows under delayed scaling, as TE's grouped linear treats an empty
+    split: its weight is quantized as every forward quantizes every expert's (amax
+    recorded), its empty input and, in backward, its empty grad_output record amax 0
+    (`observe_empty`). Recording 0 rather than skipping keeps each expert's window the same
+    micro-batches as its neighbours' (and the same as TE's); it cannot corrupt the history,
+    since 0 never wins "max" and an all-zero window keeps the last scale. Output: (0, out),
+    in the graph only so that backward takes grad_output's turn at the time the others do."""
+
+    @staticmethod
+    def forward(ctx, weight, recipe, states, out_dtype):
+        with torch.no_grad():
+            _q(weight.detach(), recipe, "weight", states["weight"])
+        observe_empty(recipe, "input", states["input"])
+        ctx.recipe, ctx.state = recipe, states["grad_output"]
+        return weight.new_zeros(0, weight.shape[0], dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        observe_empty(ctx.recipe, "grad_output", ctx.state)
+        return None, None, None, None
+
+
 def fp8_grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -395,8 +451,10 @@ def fp8_grouped_linear(
     each expert's tokens and weight on their own (one outlier token moves only its
     expert's scale), blockwise uses 1 x 128 token tiles and a 128 x 128 grid per expert's
     weight, as DeepGEMM's grouped contiguous GEMM does. An empty group (an idle expert)
-    computes nothing and leaves its state alone. The gradient of `weight` reaches every
-    group through the slices (zeros for idle groups)."""
+    computes nothing; under delayed scaling its histories still advance as TE's grouped
+    linear advances them for an empty split (`_IdleGroupFn`), so every group's window spans
+    the same micro-batches. The gradient of `weight` reaches every group through the slices
+    (zeros for idle groups)."""
     sizes = group_sizes.tolist() if torch.is_tensor(group_sizes) else list(group_sizes)
     if len(sizes) != weight.shape[0] or sum(sizes) != x.shape[0]:
         raise ValueError(
@@ -406,11 +464,13 @@ def fp8_grouped_linear(
     outs = []
     for g, xs in enumerate(x.split(sizes)):
         w, b = weight[g], None if bias is None else bias[g]
-        if xs.shape[0] == 0:
+        st = None if states is None else states[g]
+        if xs.shape[0] == 0 and isinstance(recipe, DelayedScaling):
+            outs.append(_IdleGroupFn.apply(w, recipe, _checked_states(recipe, st), _out_dtype(xs)))
+        elif xs.shape[0] == 0:
             outs.append(xs.new_zeros(0, w.shape[0], dtype=_out_dtype(xs)))
         elif recipe is None:
             outs.append(F.linear(xs, w, b))
         else:
-            st = None if states is None else states[g]
             outs.append(fp8_linear(xs, w, b, recipe, st, fp8_activation))
     return torch.cat(outs)  # (tokens, out)

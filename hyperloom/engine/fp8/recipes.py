@@ -219,6 +219,16 @@ class DelayedState:
             self.history[0, self.column] = amax
 
 
+@torch.no_grad()
+def observe_empty(recipe: DelayedScaling, role: str, state: DelayedState) -> None:
+    """Delayed scaling's turn for an empty tensor (an MoE expert that got no tokens), as TE
+    takes it: the scale update runs and amax 0 is recorded. A 0 never raises the window's
+    max, and a window of zeros keeps the last scale, so the history stays valid while it
+    advances in step with the other experts'."""
+    state.update_scale(recipe, format_for(recipe.fp8_format, role).max)
+    state.record(torch.zeros((), device=state.history.device))
+
+
 def quantize_for(
     x: torch.Tensor,
     recipe: Recipe,
@@ -276,6 +286,7 @@ __all__ = [
     "MXFP8Scaling",
     "Recipe",
     "RowwiseScaling",
+    "observe_empty",
     "quantize_for",
     "recipe_from_name",
     "scale_from_amax",

@@ -18,10 +18,12 @@ tokens sorted by expert (`torch._grouped_mm`, which this PyTorch build has on CP
 with a per-expert loop as the fallback. Under `precision.fp8` (`convert_to_fp8` calls
 `enable_fp8`) the three expert GEMMs run in FP8 through the engine's grouped linear, each
 expert with its own scales (DeepSeek-V3 §3.3: blockwise 1 x 128 token tiles and 128 x 128
-weight blocks); the router stays float32. The layer is dropless by default (every expert takes
-every token routed to it, as in V3); a capacity factor c caps each expert at
-ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard, arXiv
-2006.16668) and dropping the rest — a dropped assignment simply contributes nothing, the
+weight blocks; delayed scaling: one amax history per expert, GEMM and role, as TE's grouped
+linear keeps, in buffers with the expert dimension first so that expert parallelism splits and
+checkpoints gather them like the weights); the router stays float32. The layer is dropless by
+default (every expert takes every token routed to it, as in V3); a capacity factor c caps each
+expert at ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard,
+arXiv 2006.16668) and dropping the rest — a dropped assignment simply contributes nothing, the
 shared experts and the residual still carry the token.
 """
 
@@ -37,8 +39,8 @@ from torch import nn
 
 from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
-from hyperloom.engine.fp8 import DelayedScaling, Recipe
-from hyperloom.engine.fp8.modules import active_recipe, fp8_grouped_linear
+from hyperloom.engine.fp8 import Recipe
+from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_grouped_linear
 from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
 from hyperloom.models.llama.model import FeedForward
@@ -119,8 +121,10 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-class Experts(nn.Module):
+class Experts(Fp8State, nn.Module):
     """E SwiGLU experts, weights (E, out, in); input tokens sorted by expert."""
+
+    GEMMS = ("w1", "w3", "w2")  # delayed scaling: the column blocks of each expert's state
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -131,15 +135,17 @@ class Experts(nn.Module):
         self.ops = OpImpls()
         self.recipe: Recipe | None = None  # FP8 GEMMs (enable_fp8)
         self.fp8_activation = False
+        self.register_buffer("fp8_amax_history", None)  # delayed scaling only (enable_fp8)
+        self.register_buffer("fp8_scale", None)
 
     def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
         """Run the expert GEMMs in FP8 with `recipe` (called by `convert_to_fp8`). Delayed
-        scaling is declined (False: the experts stay in high precision): its per-expert amax
-        histories would need every expert to run on every rank each step (TE's rule), and
-        checkpoints of histories sharded over ep."""
-        if isinstance(recipe, DelayedScaling):
-            return False
-        self.recipe, self.fp8_activation = recipe, fp8_activation
+        scaling keeps one amax history per expert and GEMM for input, weight and
+        grad_output, as TE's grouped linear does: `fp8_amax_history` (E, len, 9) and
+        `fp8_scale` (E, 9), columns (w1, w3, w2) x (input, weight, grad_output), expert
+        first so that expert parallelism splits them like the weights. Every recipe is
+        taken (True)."""
+        self._setup_fp8(recipe, len(self.GEMMS), fp8_activation, self.w1.device, self.w1.shape[0])
         return True
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -148,11 +154,14 @@ class Experts(nn.Module):
         if recipe is not None:
             sizes = counts.tolist()
 
-            def fp8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return fp8_grouped_linear(a, w, sizes, recipe, fp8_activation=self.fp8_activation)
+            def fp8_mm(a: torch.Tensor, w: torch.Tensor, gemm: int) -> torch.Tensor:
+                states = [self._states(recipe, gemm, e) for e in range(len(sizes))]
+                return fp8_grouped_linear(
+                    a, w, sizes, recipe, states=states, fp8_activation=self.fp8_activation
+                )
 
-            h = ops.swiglu(fp8_mm(x, self.w1), fp8_mm(x, self.w3), self.ops.swiglu)
-            return fp8_mm(h, self.w2)  # (N, dim)
+            h = ops.swiglu(fp8_mm(x, self.w1, 0), fp8_mm(x, self.w3, 1), self.ops.swiglu)
+            return fp8_mm(h, self.w2, 2)  # (N, dim)
         use = self.grouped_mm
         if use is None:
             use = grouped_mm_works(x.device.type, x.dtype)

@@ -2,15 +2,24 @@
 
 Datasheet peaks and assumed efficiencies (`hardware.py`) are where a plan starts; measured
 numbers are where it should end. This module measures, on the local device (`auto`: the
-first accelerator PyTorch sees, else the CPU):
+first accelerator PyTorch sees, else the CPU), each kernel family in the form a training step
+runs it -- not a microbenchmark's best case:
 
-- GEMM throughput by shape, in the compute dtype, best of several runs over a small time
-  budget (a shared machine mostly measures its neighbours on a single run). The best shape
-  becomes the profile's peak (``gemm_eff`` = 1) and every shape its efficiency relative to
-  it, stored in ``gemm_table``; the planner then looks up the nearest measured shape;
+- GEMMs by shape (tokens x width, the shapes of transformer layers), in the compute dtype,
+  each in its three training forms (forward ``x wᵀ``, data gradient ``g w``, weight gradient
+  ``gᵀ x``), the median of several runs each. The best shape becomes the profile's peak
+  (``gemm_eff`` = 1) and every shape its efficiency relative to it, stored in
+  ``gemm_table``; the planner then looks up the nearest measured shape;
 - device-memory bandwidth, as a large tensor copy (read + write), so ``mem_eff`` = 1;
-- attention: `scaled_dot_product_attention` (causal) forward and forward + backward, as
-  fractions of the GEMM peak on their causal FLOPs;
+- activation elementwise kernels: the runtime's own fused operators (`engine.ops`: RMSNorm
+  with the residual add, SwiGLU, RoPE, and a plain residual add), forward + backward on a
+  layer-sized input, timed against the bytes the planner's layer model counts for them
+  (`model.build_layer`), giving ``elementwise_eff`` relative to the copy. They allocate
+  fresh outputs and compute transcendentals, so on a CPU they reach a fraction of a copy's
+  bandwidth (0.3-0.4 on the development container);
+- attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
+  few sequence lengths (same tokens each), as fractions of the GEMM peak on their causal
+  FLOPs, in ``attn_table`` (flash kernels speed up with longer rows);
 - on CPU, the allocator's retention: peak RSS over peak live bytes of a training-shaped
   loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``;
 - collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
@@ -29,6 +38,7 @@ import argparse
 import logging
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from hyperloom.accelerator import DTYPES
+from hyperloom.accelerator import DTYPES, configure_host_allocator
 from hyperloom.accelerator import get_accelerator as get_device
 from hyperloom.planner.hardware import GIB, Accelerator, save_profile
 
@@ -57,14 +67,36 @@ def _best_time(fn, sync, budget: float = 0.3, min_runs: int = 3) -> float:
     return best
 
 
-def measure_gemms(acc, dtype: torch.dtype, shapes) -> list[tuple[tuple[int, int, int], float]]:
-    """TFLOP/s per (m, n, k)."""
+def _median_time(fn, sync, runs: int = 5) -> float:
+    """Median seconds of `runs` calls after one warm-up: what a step sees, not the best case."""
+    fn()
+    sync()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_gemms(
+    acc, dtype: torch.dtype, shapes, runs: int = 5
+) -> list[tuple[tuple[int, int, int], float]]:
+    """TFLOP/s per (m, n, k) = (tokens, out, in) over a GEMM's three training forms:
+    forward x (m, k) @ wᵀ, data gradient g (m, n) @ w (n, k), weight gradient gᵀ @ x."""
     out = []
     for m, n, k in shapes:
-        a = torch.randn(m, k, device=acc.device).to(dtype)
-        b = torch.randn(k, n, device=acc.device).to(dtype)
-        t = _best_time(lambda a=a, b=b: a @ b, acc.synchronize)
-        out.append(((m, n, k), 2.0 * m * n * k / t / 1e12))
+        x = torch.randn(m, k, device=acc.device).to(dtype)
+        w = torch.randn(n, k, device=acc.device).to(dtype)
+        g = torch.randn(m, n, device=acc.device).to(dtype)
+        forms = (
+            lambda x=x, w=w: x @ w.t(),
+            lambda g=g, w=w: g @ w,
+            lambda g=g, x=x: g.t() @ x,
+        )
+        t = sum(_median_time(f, acc.synchronize, runs) for f in forms)
+        out.append(((m, n, k), 3 * 2.0 * m * n * k / t / 1e12))
     return out
 
 
@@ -76,20 +108,61 @@ def measure_memory(acc, nbytes: int) -> float:
     return 2.0 * nbytes / t / 1e9
 
 
-def measure_attention(acc, dtype: torch.dtype, seq: int, heads: int = 8, dim: int = 64):
-    """(forward, backward) TFLOP/s of causal SDPA on its causal FLOPs."""
+def measure_elementwise(
+    acc, dtype: torch.dtype, tokens: int, dim: int, ffn: int, head_dim: int, runs: int = 5
+) -> dict:
+    """GB/s of the runtime's fused elementwise operators (forward + backward) on the bytes the
+    planner's layer model charges them: 4 B per element per RMSNorm, 6 per residual add, 6 per
+    SwiGLU output element, 4 per RoPE'd element, each forward, x3 for forward + backward."""
+    from hyperloom.engine import ops
+
+    dev = acc.device
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev).to(dtype).requires_grad_(True)
+
+    x, r, a, b = leaf(tokens, dim), leaf(tokens, dim), leaf(tokens, ffn), leaf(tokens, ffn)
+    q = leaf(1, tokens, dim // head_dim, head_dim)
+    weight = torch.ones(dim, device=dev, requires_grad=True)
+    cos, sin = (t.to(dev) for t in ops.rope_tables(ops.rope_inv_freq(head_dim, 1e4), tokens))
+    gx, ga, gq = torch.randn_like(x), torch.randn_like(a), torch.randn_like(q)
+
+    def norm():
+        y, res = ops.rms_norm(x, weight, 1e-5, r)
+        torch.autograd.backward([y, res], [gx, gx])
+
+    kernels = {
+        "rmsnorm": (norm, 4.0 * tokens * dim),
+        "swiglu": (lambda: ops.swiglu(a, b).backward(ga), 6.0 * tokens * ffn),
+        "rope": (lambda: ops.rope(q, cos, sin).backward(gq), 4.0 * tokens * dim),
+        "residual_add": (lambda: (x + r).backward(gx), 6.0 * tokens * dim),
+    }
+    seconds = {k: _median_time(fn, acc.synchronize, runs) for k, (fn, _) in kernels.items()}
+    nbytes = {k: 3 * b for k, (_, b) in kernels.items()}
+    return {
+        "shape": {"tokens": tokens, "dim": dim, "ffn": ffn, "head_dim": head_dim},
+        "gbs": {k: nbytes[k] / seconds[k] / 1e9 for k in kernels},
+        "total_gbs": sum(nbytes.values()) / sum(seconds.values()) / 1e9,
+    }
+
+
+def measure_attention(acc, dtype: torch.dtype, seq: int, tokens: int, heads: int, dim: int):
+    """(forward, backward) TFLOP/s of causal SDPA on its causal FLOPs, `tokens // seq`
+    sequences of `seq`."""
+    batch = max(1, tokens // seq)
     q, k, v = (
-        torch.randn(1, heads, seq, dim, device=acc.device, dtype=dtype, requires_grad=True)
+        torch.randn(batch, heads, seq, dim, device=acc.device, dtype=dtype, requires_grad=True)
         for _ in range(3)
     )
+    go = torch.randn_like(q)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    flops = 2.0 * heads * seq * seq * dim  # two matmuls, causal half of 4*h*s^2*d
-    tf = _best_time(lambda: sdpa(q, k, v, is_causal=True), acc.synchronize)
+    flops = 2.0 * batch * heads * seq * seq * dim  # two matmuls, causal half of 4*h*s^2*d
+    tf = _median_time(lambda: sdpa(q, k, v, is_causal=True), acc.synchronize)
 
     def both():
-        sdpa(q, k, v, is_causal=True).sum().backward()
+        sdpa(q, k, v, is_causal=True).backward(go)
 
-    tb = max(_best_time(both, acc.synchronize) - tf, 1e-9)
+    tb = max(_median_time(both, acc.synchronize) - tf, 1e-9)
     return flops / tf / 1e12, 2.5 * flops / tb / 1e12
 
 
@@ -220,18 +293,25 @@ def calibrate(
     policy of the training runs the profile is for."""
     acc = get_device(device)
     cpu = acc.kind == "cpu"
+    if cpu:  # the timings below allocate as training does, under the same policy
+        host_allocator = configure_host_allocator(host_allocator)
     dt = DTYPES[dtype]
-    dims = (256, 512, 1024) if cpu else (1024, 2048, 4096, 8192)
+    # (tokens, out, in) of transformer layers: CPU at a small model's widths, GPU at 8B-70B's
+    if cpu:
+        tokens, widths = (512, 2048), ((384, 384), (1024, 384), (384, 1024), (4096, 1024))
+        seqs, attn_shape, elem = (256, 1024, 2048), (2048, 8, 64), (2048, 1024, 2816, 64)
+    else:
+        tokens, widths = (4096, 16384), ((4096, 4096), (14336, 4096), (4096, 14336))
+        seqs, attn_shape, elem = (1024, 4096, 8192), (16384, 32, 128), (16384, 4096, 14336, 128)
     if quick:
-        dims = dims[::2]
-    shapes = [(d, d, d) for d in dims] + [
-        (dims[-1], dims[-1], dims[0]),
-        (dims[0], dims[-1], dims[-1]),
-    ]
+        tokens, seqs = tokens[-1:], seqs[::2]
+    shapes = [(m, n, k) for m in tokens for n, k in widths]
     gemms = measure_gemms(acc, dt, shapes)
     peak = max(t for _, t in gemms)
     mem = measure_memory(acc, (64 if cpu else 1024) * 2**20)
-    attn_f, attn_b = measure_attention(acc, dt, 512 if cpu else 4096)
+    elementwise = measure_elementwise(acc, dt, *elem)
+    attn = [(q, *measure_attention(acc, dt, q, *attn_shape)) for q in seqs]
+    attn_f, attn_b = attn[len(attn) // 2][1:]  # the middle length, for tables-unaware readers
     if cpu:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
         world = 2
@@ -244,7 +324,8 @@ def calibrate(
         "dtype": dtype,
         "gemm_tflops": [{"m": s[0], "n": s[1], "k": s[2], "tflops": t} for s, t in gemms],
         "memory_gbs": mem,
-        "attention_tflops": {"forward": attn_f, "backward": attn_b},
+        "elementwise": elementwise,
+        "attention_tflops": [{"seq": q, "forward": f, "backward": b} for q, f, b in attn],
     }
     host_factor = 1.0
     if cpu:
@@ -279,6 +360,8 @@ def calibrate(
         host_alloc_factor=host_factor,
         source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
         gemm_table=tuple((s, t / peak) for s, t in gemms),
+        elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
+        attn_table=tuple((q, min(1.0, f / peak), min(1.0, b / peak)) for q, f, b in attn),
     )
     return profile, raw
 
@@ -290,7 +373,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     path = save_profile(profile, args.out, raw)
     Console().print(
         f"{raw['device']}: GEMM peak {profile.bf16_tflops:.3f} TFLOP/s, memory "
-        f"{profile.hbm_gbs:.1f} GB/s, attention {profile.attn_fwd_eff:.0%}/"
+        f"{profile.hbm_gbs:.1f} GB/s (elementwise kernels {profile.elementwise_eff:.0%} of it), "
+        f"attention {profile.attn_fwd_eff:.0%}/"
         f"{profile.attn_bwd_eff:.0%} of peak, all-reduce "
         f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step"
         + (

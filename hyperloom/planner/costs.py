@@ -47,6 +47,7 @@ expert-data-parallel group (dp * cp / ep ranks, on its own link) after the other
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hyperloom.planner.collectives import (
@@ -59,6 +60,7 @@ from hyperloom.planner.collectives import (
     strides,
 )
 from hyperloom.planner.hardware import Accelerator, Cluster
+from hyperloom.planner.memory import ce_chunk_tokens
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
 from hyperloom.planner.strategy import Runtime, Strategy
 
@@ -168,13 +170,13 @@ def layer_phase(
     if fp8:  # quantising each GEMM input: read 2 bytes, write 1
         gemm += acc.memory_time(3.0 * sum(g.m * g.k for g in layer.gemms))
     if spec.flash_attention:
-        attn_f = acc.attention_time(layer.attn_flops)
-        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True)
+        attn_f = acc.attention_time(layer.attn_flops, seq=layer.seq)
+        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True, seq=layer.seq)
     else:
         core = sum(acc.gemm_time(g.m, g.n, g.k, False, g.count) for g in layer.attn_gemms)
         attn_f = core + acc.memory_time(layer.core_bytes)
         attn_b = 2 * core + acc.memory_time(1.5 * layer.core_bytes)
-    elem_f = acc.memory_time(layer.elementwise_bytes)
+    elem_f = acc.elementwise_time(layer.elementwise_bytes)
 
     t, sp = s.tp, s.sp and s.tp > 1
     buf = layer.tp_buffer
@@ -218,9 +220,9 @@ def layer_phase(
         recompute = f
     else:
         recompute = (attn_f if "core_attn" in mods else 0.0) + (
-            acc.memory_time(layer.act_bytes) if "mlp_act" in mods else 0.0
+            acc.elementwise_time(layer.act_bytes) if "mlp_act" in mods else 0.0
         )
-        recompute += acc.memory_time(layer.norm_bytes) if "norm" in mods else 0.0
+        recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
     b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute + ep_b
     w = gemm + tp_w
     return Phase(
@@ -269,30 +271,57 @@ def embedding_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, li
     out = 2.0 * tokens * spec.dim
     kind = "reduce_scatter" if s.sp and s.tp > 1 else "all_reduce"
     comm = collective_time(kind, s.tp, out, links.tp)
-    look = acc.memory_time(2 * out)
+    look = acc.elementwise_time(2 * out)
     return Phase(
         f=look + comm,
-        w=acc.memory_time(3 * out),
-        compute=look + acc.memory_time(3 * out),
+        w=acc.elementwise_time(3 * out),
+        compute=look + acc.elementwise_time(3 * out),
         tp_comm=comm,
     )
 
 
-def head_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, links: Links):
-    """Last chunk: final norm, vocab-parallel head GEMM and cross-entropy over V/tp logits."""
+def head_phase(
+    spec: ModelSpec,
+    s: Strategy,
+    seq: int,
+    acc: Accelerator,
+    links: Links,
+    rt: Runtime | None = None,
+):
+    """Last chunk: final norm, vocab-parallel head GEMM and cross-entropy over V/tp logits.
+
+    Unfused (Megatron's and the reference path): the FP32 cross-entropy costs 34 B per logit
+    forward (cast, max, subtract, exp, sum) and 22 backward (softmax, one-hot, scale, cast).
+    Fused (`rt.fused_cross_entropy`, `engine.ops.cross_entropy`): all three GEMMs and the
+    softmax run in the forward, chunk by chunk; per logit the kernels read the BF16 logits
+    three times (max, sum of exponentials, gradient) and write the BF16 gradient, 8 B, and
+    per chunk the float32 ∂W takes a cast-add of the BF16 block (10 B per head weight);
+    the backward only scales the two gradients in place.
+    """
     tokens = s.mbs * seq / s.cp
     t = s.tp
     fp8 = False  # the head stays in BF16 (as in TransformerEngine recipes)
     gemm = acc.gemm_time(tokens, spec.vocab_size / t, spec.dim, fp8)
     logits = tokens * spec.vocab_size / t
     x_sp = tokens * spec.dim / (t if s.sp and t > 1 else 1)
-    # Vocab-parallel cross-entropy in FP32, unfused (ours and Megatron's): cast, max,
-    # subtract, exp, sum = 34 B per logit forward; softmax, one-hot, scale, cast = 22 back.
-    ce_f = acc.memory_time(34.0 * logits + 4.0 * x_sp)
-    ce_b = acc.memory_time(22.0 * logits + 8.0 * x_sp)
     comm = 0.0
     if s.sp and t > 1:
         comm = collective_time("all_gather", t, 2.0 * tokens * spec.dim, links.tp)
+    if rt is not None and rt.fused_cross_entropy:
+        weights = spec.vocab_size / t * spec.dim
+        chunks = math.ceil(tokens / min(tokens, ce_chunk_tokens(tokens, spec.dim, logits / tokens)))
+        ce_f = acc.elementwise_time(8.0 * logits + 4.0 * x_sp) + acc.memory_time(
+            10.0 * weights * chunks
+        )
+        ce_b = acc.memory_time(8.0 * x_sp + 8.0 * weights)  # scale ∂h and ∂W
+        return Phase(
+            f=3 * gemm + ce_f + comm,
+            b=ce_b + comm,
+            compute=3 * gemm + ce_f + ce_b,
+            tp_comm=2 * comm,
+        )
+    ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
+    ce_b = acc.elementwise_time(22.0 * logits + 8.0 * x_sp)
     return Phase(
         f=gemm + ce_f + comm,
         b=gemm + ce_b + comm,

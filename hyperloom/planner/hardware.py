@@ -80,6 +80,14 @@ class Accelerator:
     source: str = ""
     # Calibrated GEMM efficiencies: ((m, n, k), eff) pairs, nearest shape wins.
     gemm_table: tuple[tuple[tuple[int, int, int], float], ...] = field(default=())
+    # Activation-sized elementwise kernels (norms, activation, RoPE, residual adds, the
+    # loss's softmax) relative to ``mem_eff``: they allocate fresh outputs and some are
+    # arithmetic-bound on CPUs, unlike a copy or the optimizer's in-place streams.
+    # `calibrate` measures it; 1.0 (the same as a copy) for the datasheet profiles.
+    elementwise_eff: float = 1.0
+    # Calibrated attention by sequence length: (seq, fwd_eff, bwd_eff), nearest seq wins
+    # over ``attn_fwd_eff``/``attn_bwd_eff`` (flash kernels get faster with longer rows).
+    attn_table: tuple[tuple[int, float, float], ...] = field(default=())
 
     @property
     def supports_fp8(self) -> bool:
@@ -112,14 +120,22 @@ class Accelerator:
         """Seconds to stream `nbytes` through device memory at the achievable bandwidth."""
         return nbytes / (self.hbm_gbs * 1e9 * self.mem_eff)
 
-    def attention_time(self, flops: float, backward: bool = False) -> float:
-        eff = self.attn_bwd_eff if backward else self.attn_fwd_eff
-        return flops / (self.bf16_tflops * 1e12 * eff)
+    def elementwise_time(self, nbytes: float) -> float:
+        """Seconds of activation elementwise kernels moving `nbytes` (``elementwise_eff``)."""
+        return self.memory_time(nbytes) / self.elementwise_eff
+
+    def attention_time(self, flops: float, backward: bool = False, seq: float = 0.0) -> float:
+        """Seconds of flash attention's `flops`; a calibrated profile looks up `seq`."""
+        fwd, bwd = self.attn_fwd_eff, self.attn_bwd_eff
+        if self.attn_table and seq > 0:
+            _, fwd, bwd = min(self.attn_table, key=lambda e: abs(math.log(e[0] / seq)))
+        return flops / (self.bf16_tflops * 1e12 * (bwd if backward else fwd))
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["gemm_table"] = [{"m": s[0], "n": s[1], "k": s[2], "eff": e} for s, e in self.gemm_table]
+        d["attn_table"] = [{"seq": q, "fwd": f, "bwd": b} for q, f, b in self.attn_table]
         return d
 
     @classmethod
@@ -130,9 +146,11 @@ class Accelerator:
             raise PlanError(f"profile has unknown keys {unknown}; known: {sorted(known)}")
         d = dict(d)
         table = d.pop("gemm_table", []) or []
+        attn = d.pop("attn_table", []) or []
         try:
             rows = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["eff"])) for r in table)
-            return cls(**d, gemm_table=rows)
+            seqs = tuple((int(r["seq"]), float(r["fwd"]), float(r["bwd"])) for r in attn)
+            return cls(**d, gemm_table=rows, attn_table=seqs)
         except (TypeError, KeyError, ValueError) as exc:
             raise PlanError(f"bad accelerator profile: {exc}") from None
 

@@ -296,6 +296,7 @@ class Layer:
     cp_buffer: float  # bytes of the full K+V gathered over cp
     grad_out_bytes: float  # output-gradient bytes of the GEMMs (Zero Bubble's W keeps them)
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
+    seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
 
     @property
@@ -387,6 +388,7 @@ def build_layer(
         tp_buffer=2.0 * x_full,
         cp_buffer=2.0 * 2.0 * tokens * cp * kv / t,
         grad_out_bytes=grad_out,
+        seq=seq,
     )
 
 
@@ -516,6 +518,7 @@ def _build_deepseek_layer(
         tp_buffer=2.0 * x_full,
         cp_buffer=2.0 * tokens * cp * (q_dim + v_dim) / t,
         grad_out_bytes=grad_out,
+        seq=seq,
         moe_fraction=wm,
         dispatch_bytes=dispatch,
     )

@@ -84,9 +84,10 @@ def cached_profile(
 ) -> Accelerator:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent."""
-    # v3: CPU profiles measure under the run's host allocator policy (`host_memory.py`)
+    # v4: kernels timed in their training form, elementwise and attention tables (v3: CPU
+    # profiles measure under the run's host allocator policy, `host_memory.py`)
     policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v3.json"
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v4.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate

@@ -189,7 +189,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep)
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links)
-    head = head_phase(spec, key, seq, acc, links)
+    head = head_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
     lm = LayerMemory.of(layer, key.recompute, key.fp8, dispatch_buffer(layer, spec, key))

@@ -175,7 +175,12 @@ def test_gemm_efficiency_grows_with_size_and_uses_a_calibrated_table():
 def test_profiles_roundtrip_through_json(tmp_path):
     from hyperloom.planner.hardware import save_profile
 
-    acc = dataclasses.replace(ACCELERATORS["mi300x"], gemm_table=(((64, 64, 64), 0.25),))
+    acc = dataclasses.replace(
+        ACCELERATORS["mi300x"],
+        gemm_table=(((64, 64, 64), 0.25),),
+        attn_table=((256, 0.1, 0.2), (2048, 0.3, 0.4)),
+        elementwise_eff=0.3,
+    )
     path = save_profile(acc, tmp_path / "p.json", {"note": "x"})
     assert get_accelerator(str(path)) == acc
     with pytest.raises(PlanError, match="unknown accelerator"):
@@ -193,3 +198,42 @@ def test_layers_per_chunk_balance_ranks_and_lighten_the_ends():
     counts = assign_layers(40, v)
     assert [counts[a] + counts[b] for a, b in v] == [5] * 8
     assert sum(counts) == 40
+
+
+def test_calibrated_attention_by_sequence_and_elementwise_efficiency():
+    base = ACCELERATORS["h100"]
+    acc = dataclasses.replace(
+        base, attn_table=((256, 0.1, 0.05), (2048, 0.4, 0.2)), elementwise_eff=0.25
+    )
+    flops = 1e12
+    peak = acc.bf16_tflops * 1e12
+    # nearest sequence length (in log space) wins; no seq or no table: the scalar factors
+    assert acc.attention_time(flops, seq=300) == pytest.approx(flops / (peak * 0.1))
+    assert acc.attention_time(flops, backward=True, seq=1500) == pytest.approx(flops / (peak * 0.2))
+    assert acc.attention_time(flops) == base.attention_time(flops)
+    assert base.attention_time(flops, seq=256) == base.attention_time(flops)
+    # elementwise kernels at a quarter of a copy; the copy (optimizer, collectives) unchanged
+    assert acc.elementwise_time(1e9) == pytest.approx(4 * acc.memory_time(1e9))
+    assert acc.memory_time(1e9) == base.memory_time(1e9)
+
+
+def test_fused_head_runs_all_three_gemms_in_the_forward():
+    from hyperloom.planner.costs import head_phase
+    from hyperloom.planner.strategy import job_runtime
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    acc, links = ACCELERATORS["h100"], None
+    s = Strategy(mbs=8)
+    plain = head_phase(spec, s, 256, acc, links)
+    fused = head_phase(spec, s, 256, acc, links, job_runtime(fused_cross_entropy=True))
+    gemm = plain.w  # one of the head's three GEMMs
+    assert fused.w == 0 and fused.f > 3 * gemm and fused.b < 0.1 * fused.f
+    assert plain.compute > fused.compute  # the unfused loss moves 34 + 22 B per logit
+    logits = 8 * 256 * spec.vocab_size
+    # 8 B per logit and, per 256-token chunk (8 of them), a 10 B/weight cast-add of ∂W;
+    # the backward scales ∂h and ∂W in place
+    assert fused.compute - 3 * gemm == pytest.approx(
+        acc.elementwise_time(8.0 * logits + 4.0 * 8 * 256 * spec.dim)
+        + acc.memory_time(10.0 * spec.vocab_size * spec.dim * 8)
+        + acc.memory_time(8.0 * 8 * 256 * spec.dim + 8.0 * spec.vocab_size * spec.dim)
+    )

@@ -35,6 +35,7 @@ measurements alongside; `--accelerator path.json` uses it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -172,34 +173,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
 def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: str) -> None:
+    import warnings
+
     import torch.distributed as dist
 
+    # torch 2.13 renames the *_tensor collectives; they are what the runtime calls today
+    warnings.filterwarnings("ignore", category=FutureWarning)
     acc = get_device(kind, rank if kind != "cpu" else 0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(acc.backend, rank=rank, world_size=world)
-    times = []
-    for n in sizes:
-        x = torch.ones(n // 4, device=acc.device)
-        # A fixed number of runs: a time budget would let the ranks run different numbers of
-        # collectives and mismatch them.
-        dist.all_reduce(x)
-        best = float("inf")
-        for _ in range(6):
-            acc.synchronize()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            acc.synchronize()
-            best = min(best, time.perf_counter() - start)
-        times.append(best)
-    t = torch.tensor(times, device=acc.device)
+    times = {}
+    for name in COLLECTIVES:
+        times[name] = []
+        for n in sizes:  # n bytes = the full buffer S of the ring model
+            full = torch.ones(n // 4 // world * world, device=acc.device)
+            part = torch.empty(full.numel() // world, device=acc.device)
+            call = {
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "reduce_scatter": lambda f=full, p=part: dist.reduce_scatter_tensor(p, f),
+                "all_gather": lambda f=full, p=part: dist.all_gather_into_tensor(f, p),
+            }[name]
+            # A fixed number of runs: a time budget would let the ranks run different numbers
+            # of collectives and mismatch them.
+            call()
+            best = float("inf")
+            for _ in range(6):
+                acc.synchronize()
+                start = time.perf_counter()
+                call()
+                acc.synchronize()
+                best = min(best, time.perf_counter() - start)
+            times[name].append(best)
+    t = torch.tensor([times[k] for k in COLLECTIVES], device=acc.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        Path(out).write_text(",".join(f"{v:.9g}" for v in t.tolist()))
+        Path(out).write_text(json.dumps(dict(zip(COLLECTIVES, t.tolist(), strict=True))))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # no gloo teardown at interpreter exit (see cli._leave)
+
+
+def _fit_line(sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """(a, c) of t = a + c * S by least squares on relative errors (weights 1/t^2), so the
+    small messages, which carry the latency, count as much."""
+    w = [1.0 / t**2 for t in times]
+    sw = sum(w)
+    sx = sum(wi * s for wi, s in zip(w, sizes, strict=True))
+    sy = sum(wi * t for wi, t in zip(w, times, strict=True))
+    sxx = sum(wi * s * s for wi, s in zip(w, sizes, strict=True))
+    sxy = sum(wi * s * t for wi, s, t in zip(w, sizes, times, strict=True))
+    c = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return max((sy - c * sx) / sw, 0.0), c
 
 
 _LAUNCHER_VARS = (
@@ -218,7 +247,9 @@ _LAUNCHER_VARS = (
 
 
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
-    """All-reduce times over `world` local ranks, fitted to the ring model.
+    """All-reduce, reduce-scatter and all-gather times over `world` local ranks: the
+    all-reduce fitted to the ring model (bandwidth and latency), the other two as factors on
+    the ring model's bandwidth term (gloo's are no rings: 2.7-3.4x on loopback).
 
     The ranks are fresh interpreters (not multiprocessing children), so measuring works the
     same whatever script or module started the parent. They get an environment without the
@@ -259,25 +290,23 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
                     p.kill()
         if any(codes):
             raise RuntimeError(f"collective benchmark ranks exited with {codes}")
-        times = [float(v) for v in Path(out).read_text().split(",")]
-    # t = a + c * S with a = 2(n-1) alpha and c = 2(n-1)/n / B, fitted on relative errors
-    # (weights 1/t^2) so the small messages, which carry the latency, count as much.
+        times = json.loads(Path(out).read_text())
+    # all-reduce: a = 2(n-1) alpha and c = 2(n-1)/n / B; reduce-scatter and all-gather on a
+    # ring would take c/2 per byte of the full buffer: their factor is how far they are off
     n = world
-    w = [1.0 / t**2 for t in times]
-    sw = sum(w)
-    sx = sum(wi * s for wi, s in zip(w, sizes, strict=True))
-    sy = sum(wi * t for wi, t in zip(w, times, strict=True))
-    sxx = sum(wi * s * s for wi, s in zip(w, sizes, strict=True))
-    sxy = sum(wi * s * t for wi, s, t in zip(w, sizes, times, strict=True))
-    c = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    a = max((sy - c * sx) / sw, 0.0)
+    a, c = _fit_line(sizes, times["all_reduce"])
     bus = 2 * (n - 1) / n / c / 1e9 if c > 0 else float("inf")
+    scale = {}
+    for name in COLLECTIVES[1:]:
+        _, ck = _fit_line(sizes, times[name])
+        scale[name] = ck / (c / 2) if c > 0 and ck > 0 else 1.0
     return {
         "world": n,
         "sizes": sizes,
         "seconds": times,
         "busbw_gbs": bus,
         "alpha_us": a / (2 * (n - 1)) * 1e6,
+        "scale": scale,
     }
 
 
@@ -309,7 +338,7 @@ def calibrate(
     gemms = measure_gemms(acc, dt, shapes)
     peak = max(t for _, t in gemms)
     mem = measure_memory(acc, (64 if cpu else 1024) * 2**20)
-    elementwise = measure_elementwise(acc, dt, *elem)
+    elementwise = measure_elementwise(acc, dt, *elem, runs=5 if quick else 11)
     attn = [(q, *measure_attention(acc, dt, q, *attn_shape)) for q in seqs]
     attn_f, attn_b = attn[len(attn) // 2][1:]  # the middle length, for tables-unaware readers
     if cpu:
@@ -331,15 +360,24 @@ def calibrate(
     if cpu:
         from hyperloom.planner.host_memory import measure_allocator_retention
 
-        retention = measure_allocator_retention(steps=3 if quick else 6, policy=host_allocator)
-        raw["allocator_retention"] = retention
-        host_factor = retention.get("factor", 1.0)
+        # the resident peak of one fresh process moves by ~10% from run to run: the median
+        # of three processes when not quick
+        runs = [
+            measure_allocator_retention(steps=3 if quick else 6, policy=host_allocator)
+            for _ in range(1 if quick else 3)
+        ]
+        runs = [r for r in runs if r]
+        raw["allocator_retention"] = runs
+        if runs:
+            host_factor = statistics.median(r["factor"] for r in runs)
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
+    coll_scale: tuple[tuple[str, float], ...] = ()
     if collectives and world > 1:
         sizes = [2**p for p in (range(12, 25, 4) if quick else range(10, 27, 2))]
         coll = measure_collectives(acc.kind, world, sizes)
         raw["all_reduce"] = coll
         link = {"intra_gbs": coll["busbw_gbs"], "intra_latency_us": coll["alpha_us"]}
+        coll_scale = tuple(sorted(coll["scale"].items()))
     profile = Accelerator(
         name=f"calibrated-{acc.kind}",
         bf16_tflops=peak,
@@ -362,6 +400,7 @@ def calibrate(
         gemm_table=tuple((s, t / peak) for s, t in gemms),
         elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
         attn_table=tuple((q, min(1.0, f / peak), min(1.0, b / peak)) for q, f, b in attn),
+        collective_scale=coll_scale,
     )
     return profile, raw
 

@@ -88,6 +88,9 @@ class Accelerator:
     # Calibrated attention by sequence length: (seq, fwd_eff, bwd_eff), nearest seq wins
     # over ``attn_fwd_eff``/``attn_bwd_eff`` (flash kernels get faster with longer rows).
     attn_table: tuple[tuple[int, float, float], ...] = field(default=())
+    # Measured (collective kind, factor on the ring model's bandwidth term) next to the
+    # all-reduce the link figures come from; empty for the datasheet profiles (rings).
+    collective_scale: tuple[tuple[str, float], ...] = field(default=())
 
     @property
     def supports_fp8(self) -> bool:
@@ -136,6 +139,7 @@ class Accelerator:
         d = dataclasses.asdict(self)
         d["gemm_table"] = [{"m": s[0], "n": s[1], "k": s[2], "eff": e} for s, e in self.gemm_table]
         d["attn_table"] = [{"seq": q, "fwd": f, "bwd": b} for q, f, b in self.attn_table]
+        d["collective_scale"] = dict(self.collective_scale)
         return d
 
     @classmethod
@@ -147,10 +151,12 @@ class Accelerator:
         d = dict(d)
         table = d.pop("gemm_table", []) or []
         attn = d.pop("attn_table", []) or []
+        scale = d.pop("collective_scale", {}) or {}
         try:
             rows = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["eff"])) for r in table)
             seqs = tuple((int(r["seq"]), float(r["fwd"]), float(r["bwd"])) for r in attn)
-            return cls(**d, gemm_table=rows, attn_table=seqs)
+            kinds = tuple(sorted((str(k), float(v)) for k, v in dict(scale).items()))
+            return cls(**d, gemm_table=rows, attn_table=seqs, collective_scale=kinds)
         except (TypeError, KeyError, ValueError) as exc:
             raise PlanError(f"bad accelerator profile: {exc}") from None
 

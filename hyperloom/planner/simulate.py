@@ -85,6 +85,7 @@ class Plan:
     breakdown: dict[str, float]  # seconds of the step on the rank that finishes last
     simulated_microbatches: int
     sim: SimResult | None = field(default=None, repr=False)
+    rank_breakdown: list[dict[str, float]] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -476,4 +477,5 @@ def predict(
         breakdown=parts[finish.index(step)],
         simulated_microbatches=m_runs[0],
         sim=None if points else results[0],
+        rank_breakdown=parts,
     )

@@ -300,11 +300,11 @@ class Trainer:
                 )
             else:
                 profile = load_profile(choice)
-            share = 1.0
+            share, local = 1.0, 1
             if profile.name == "calibrated-cpu":  # all cores measured; a rank gets a share
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 share = cpu_share(torch.get_num_threads(), local)
-            return self_check(cfg, profile, world, step_s, peak_bytes, share)
+            return self_check(cfg, profile, world, step_s, peak_bytes, share, local)
         except Exception as exc:  # noqa: BLE001 - a failed prediction must not fail the run
             log.warning("planner self-check skipped: %s", exc)
             return {"plan_error": str(exc)}

@@ -68,9 +68,11 @@ def _best_time(fn, sync, budget: float = 0.3, min_runs: int = 3) -> float:
     return best
 
 
-def _median_time(fn, sync, runs: int = 5) -> float:
-    """Median seconds of `runs` calls after one warm-up: what a step sees, not the best case."""
-    fn()
+def _median_time(fn, sync, runs: int = 5, warmup: int = 3) -> float:
+    """Median seconds of `runs` calls after `warmup` calls (compilation, and the allocator
+    reaching the steady state a training step sees): what a step sees, not the best case."""
+    for _ in range(warmup):
+        fn()
     sync()
     times = []
     for _ in range(runs):

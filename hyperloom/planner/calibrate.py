@@ -17,6 +17,8 @@ runs it -- not a microbenchmark's best case:
   (`model.build_layer`), giving ``elementwise_eff`` relative to the copy. They allocate
   fresh outputs and compute transcendentals, so on a CPU they reach a fraction of a copy's
   bandwidth (0.3-0.4 on the development container);
+- the host's fixed cost per transformer layer (`measure_layer_overhead`: Python, dispatcher,
+  autograd, launches), as ``layer_overhead_s``;
 - attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
   few sequence lengths (same tokens each), as fractions of the GEMM peak on their causal
   FLOPs, in ``attn_table`` (flash kernels speed up with longer rows);
@@ -147,6 +149,34 @@ def measure_elementwise(
         "gbs": {k: nbytes[k] / seconds[k] / 1e9 for k in kernels},
         "total_gbs": sum(nbytes.values()) / sum(seconds.values()) / 1e9,
     }
+
+
+def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 11) -> float:
+    """Host seconds per transformer layer per micro-batch, forward + backward, that no kernel
+    accounts for: our Llama at a size where the arithmetic is negligible (dim 64, 16 tokens)
+    with 1 and with 3 layers, the difference halved (embedding, head, loss and the backward's
+    set-up cancel). On a GPU this is the host's launch path, on a CPU the dispatcher, autograd
+    and Python between kernels (2.1-2.4 ms on the development container)."""
+    from hyperloom.config import ModelConfig
+    from hyperloom.models.registry import init_model
+
+    times = []
+    for layers in (1, 3):
+        cfg = ModelConfig(
+            vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
+            max_seq_len=64,
+        )  # fmt: skip
+        model = init_model(cfg, acc.device, seed=0)
+        tokens = torch.randint(0, 256, (1, 16), device=acc.device)
+
+        def step(model=model, tokens=tokens):
+            model.zero_grad(set_to_none=True)
+            with acc.autocast(dtype):
+                loss = model(tokens, labels=tokens)
+            loss.backward()
+
+        times.append(_median_time(step, acc.synchronize, runs))
+    return max((times[1] - times[0]) / 2, 0.0)
 
 
 def measure_attention(acc, dtype: torch.dtype, seq: int, tokens: int, heads: int, dim: int):
@@ -342,6 +372,7 @@ def calibrate(
     mem = measure_memory(acc, (64 if cpu else 1024) * 2**20)
     elementwise = measure_elementwise(acc, dt, *elem, runs=5 if quick else 11)
     attn = [(q, *measure_attention(acc, dt, q, *attn_shape)) for q in seqs]
+    layer_overhead = measure_layer_overhead(acc, dt)
     attn_f, attn_b = attn[len(attn) // 2][1:]  # the middle length, for tables-unaware readers
     if cpu:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
@@ -356,6 +387,7 @@ def calibrate(
         "gemm_tflops": [{"m": s[0], "n": s[1], "k": s[2], "tflops": t} for s, t in gemms],
         "memory_gbs": mem,
         "elementwise": elementwise,
+        "layer_overhead_s": layer_overhead,
         "attention_tflops": [{"seq": q, "forward": f, "backward": b} for q, f, b in attn],
     }
     host_factor = 1.0
@@ -403,6 +435,7 @@ def calibrate(
         elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
         attn_table=tuple((q, min(1.0, f / peak), min(1.0, b / peak)) for q, f, b in attn),
         collective_scale=coll_scale,
+        layer_overhead_s=layer_overhead,
     )
     return profile, raw
 

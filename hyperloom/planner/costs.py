@@ -214,7 +214,8 @@ def layer_phase(
     ep_f = _exposed(ep_f, gemm, rt.ep_overlap)
     ep_b = _exposed(ep_b, gemm, rt.ep_overlap)
 
-    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f + ep_f
+    host = acc.layer_overhead_s  # not scaled with compute: the host runs it one-threaded
+    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f + ep_f + host / 3
     full, mods = parse_recompute(s.recompute)
     if full:
         recompute = f
@@ -223,13 +224,13 @@ def layer_phase(
             acc.elementwise_time(layer.act_bytes) if "mlp_act" in mods else 0.0
         )
         recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
-    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute + ep_b
+    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
     w = gemm + tp_w
     return Phase(
         f=f,
         b=b,
         w=w,
-        compute=3 * gemm + attn_f + attn_b + 3 * elem_f,
+        compute=3 * gemm + attn_f + attn_b + 3 * elem_f + host,
         recompute=recompute,
         tp_comm=tp_f + tp_b + tp_w,
         cp_comm=cp_f + cp_b,

@@ -91,6 +91,10 @@ class Accelerator:
     # Measured (collective kind, factor on the ring model's bandwidth term) next to the
     # all-reduce the link figures come from; empty for the datasheet profiles (rings).
     collective_scale: tuple[tuple[str, float], ...] = field(default=())
+    # Host seconds per transformer layer per micro-batch (forward + backward) that no kernel
+    # accounts for: Python, the dispatcher, autograd, kernel launches. `calibrate` measures
+    # it (`measure_layer_overhead`); 0 for the datasheet profiles (large layers hide it).
+    layer_overhead_s: float = 0.0
 
     @property
     def supports_fp8(self) -> bool:

@@ -79,15 +79,25 @@ def runtime_of(job: JobConfig) -> Runtime:
     return job_runtime(fused_cross_entropy=fused)
 
 
+def cpu_runtime(rt: Runtime) -> Runtime:
+    """The runtime on CPU ranks: gloo copies and reduces on the cores the compute needs, so
+    a collective issued "in the background" (DDP's buckets during the backward, FSDP's
+    prefetches) takes its time from the compute instead of hiding behind it."""
+    return dataclasses.replace(
+        rt, ddp_overlap=0.0, fsdp_overlap=0.0, cp_overlap=0.0, zero1_overlap=0.0, ep_overlap=0.0
+    )
+
+
 def cached_profile(
     cache: Path, kind: str, dtype: str, world: int, host_allocator: str = "cache"
 ) -> Accelerator:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent."""
-    # v4: kernels timed in their training form, elementwise and attention tables (v3: CPU
+    # v5: the per-layer host overhead; v4: kernels timed in their training form, elementwise
+    # and attention tables (v3: CPU
     # profiles measure under the run's host allocator policy, `host_memory.py`)
     policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v4.json"
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v5.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate
@@ -152,7 +162,10 @@ def self_check(
     strategy = job_strategy(job)
     cluster = Cluster(profile, world, gpus_per_node=world)
     try:
-        plan = predict(spec, cluster, strategy, job.data.seq_len, runtime_of(job), margin_gib=0.0)
+        rt = runtime_of(job)
+        if profile.name.startswith("calibrated-cpu"):
+            rt = cpu_runtime(rt)
+        plan = predict(spec, cluster, strategy, job.data.seq_len, rt, margin_gib=0.0)
     except PlanError as exc:
         return {"plan_error": str(exc)}
     step = plan.step_time

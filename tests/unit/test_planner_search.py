@@ -150,6 +150,7 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert profile.bf16_tflops > 0 and profile.hbm_gbs > 0 and profile.gemm_table
     assert 0 < profile.elementwise_eff <= 1 and len(profile.attn_table) == 2  # quick: 2 lengths
     assert all(0 < f <= 1 and 0 < b <= 1 for _, f, b in profile.attn_table)
+    assert 0 < profile.layer_overhead_s < 0.1  # host seconds per layer, forward + backward
     assert max(e for _, e in profile.gemm_table) == pytest.approx(1.0)
     path = save_profile(profile, tmp_path / "cpu.json", raw)
     loaded = get_accelerator(str(path))

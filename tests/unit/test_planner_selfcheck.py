@@ -78,3 +78,19 @@ def test_self_check_applies_the_bound_only_when_the_cores_are_oversubscribed():
     fits = self_check(job, CPU, 4, 1.0, 1e9, compute_share=0.5, ranks_here=2)
     assert over["predicted_step_s"] > fits["predicted_step_s"]
     assert over["step_time_error"] == pytest.approx(over["predicted_step_s"] - 1.0)
+
+
+def test_layer_overhead_is_host_time_added_per_layer_and_micro_batch():
+    from hyperloom.planner.costs import layer_phase, links_for
+    from hyperloom.planner.model import build_layer
+    from hyperloom.planner.strategy import job_runtime
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    s = Strategy(mbs=8)
+    layer = build_layer(spec, 8, 256, 1, 1, False)
+    rt = job_runtime()
+    links = links_for(Cluster(CPU, 1, 1), s)
+    plain = layer_phase(layer, spec, s, CPU, links, rt)
+    host = layer_phase(layer, spec, s, dataclasses.replace(CPU, layer_overhead_s=0.003), links, rt)
+    assert host.f - plain.f == pytest.approx(0.001) and host.b - plain.b == pytest.approx(0.002)
+    assert host.w == plain.w and host.compute - plain.compute == pytest.approx(0.003)

@@ -146,26 +146,41 @@ def _retention_loop(steps: int, policy: str = "cache") -> dict[str, float]:
     }
 
 
-def measure_allocator_retention(steps: int = 4, policy: str = "cache") -> dict[str, float]:
-    """Peak RSS over peak live bytes of a training-shaped loop in a fresh CPU process under
-    the host allocator `policy` (module docstring); {} where it cannot be measured (no
-    glibc, no /proc), and the factor is 1."""
+def in_fresh_process(call: str, args: list[str], what: str, env: dict | None = None) -> dict:
+    """`print(json.dumps(call(*argv)))` in a fresh interpreter -> that dict; {} (and a warning
+    naming `what`) if it fails. A fresh process is what a training run starts from: its heap,
+    its pages and, on this kind of VM, its luck with huge pages."""
+    module, _, name = call.rpartition(".")
     code = (
-        "import json, sys; from hyperloom.planner.host_memory import _retention_loop; "
-        "print(json.dumps(_retention_loop(int(sys.argv[1]), sys.argv[2])))"
+        f"import json, sys; from {module} import {name}; print(json.dumps({name}(*sys.argv[1:])))"
     )
-    # One thread, as each rank of a multi-process CPU job runs (torchrun's OMP_NUM_THREADS).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, str(steps), policy],
+            [sys.executable, "-c", code, *args],
             capture_output=True,
             text=True,
-            env=env,
+            env={**os.environ, **(env or {})},
             timeout=300,
             check=True,
         )
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
-        log.warning("allocator retention not measured: %s", exc)
+        log.warning("%s not measured: %s", what, exc)
         return {}
+
+
+def _retention_entry(steps: str, policy: str) -> dict[str, float]:
+    return _retention_loop(int(steps), policy)
+
+
+def measure_allocator_retention(steps: int = 4, policy: str = "cache") -> dict[str, float]:
+    """Peak RSS over peak live bytes of a training-shaped loop in a fresh CPU process under
+    the host allocator `policy` (module docstring); {} where it cannot be measured (no
+    glibc, no /proc), and the factor is 1."""
+    # One thread, as each rank of a multi-process CPU job runs (torchrun's OMP_NUM_THREADS).
+    return in_fresh_process(
+        "hyperloom.planner.host_memory._retention_entry",
+        [str(steps), policy],
+        "allocator retention",
+        env={"OMP_NUM_THREADS": "1"},
+    )

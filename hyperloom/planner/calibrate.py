@@ -356,10 +356,13 @@ def calibrate(
     quick: bool = False,
     collectives: bool = True,
     host_allocator: str = "cache",
+    progress=None,
 ) -> tuple[Accelerator, dict]:
     """Measure this machine; returns the profile and the raw measurements. On CPU the
     measurements run under `host_allocator` (`accelerator.configure_host_allocator`), the
-    policy of the training runs the profile is for."""
+    policy of the training runs the profile is for. `progress(text)`, if given, hears which
+    measurement starts (the whole takes a minute or more on a small CPU)."""
+    say = progress or (lambda text: None)
     acc = get_device(device)
     cpu = acc.kind == "cpu"
     if cpu:  # the timings below allocate as training does, under the same policy
@@ -375,9 +378,15 @@ def calibrate(
     if quick:
         tokens, seqs = tokens[-1:], seqs[::2]
     shapes = [(m, n, k) for m in tokens for n, k in widths]
+    say(f"GEMMs: {len(shapes)} shapes x 3 training forms")
     gemms = measure_gemms(acc, dt, shapes)
     peak = max(t for _, t in gemms)
+    say("memory bandwidth (copy)")
     mem = measure_memory(acc, (64 if cpu else 1024) * 2**20)
+    say(
+        "elementwise operators (fused RMSNorm, SwiGLU, RoPE, add)"
+        + ("" if quick else ", 3 processes")
+    )
     if quick:
         elementwise = measure_elementwise(acc, dt, *elem, runs=5)
     else:
@@ -396,7 +405,9 @@ def calibrate(
         tries = [t for t in tries if t] or [measure_elementwise(acc, dt, *elem, runs=11)]
         elementwise = sorted(tries, key=lambda t: t["total_gbs"])[len(tries) // 2]
         elementwise["processes"] = [t["total_gbs"] for t in tries]
+    say(f"attention at sequence lengths {', '.join(map(str, seqs))}")
     attn = [(q, *measure_attention(acc, dt, q, *attn_shape)) for q in seqs]
+    say("host overhead per layer")
     layer_overhead = measure_layer_overhead(acc, dt)
     attn_f, attn_b = attn[len(attn) // 2][1:]  # the middle length, for tables-unaware readers
     if cpu:
@@ -421,6 +432,7 @@ def calibrate(
 
         # the resident peak of one fresh process moves by ~10% from run to run: the median
         # of three processes when not quick
+        say("allocator retention" + ("" if quick else ", 3 processes"))
         runs = [
             measure_allocator_retention(steps=3 if quick else 6, policy=host_allocator)
             for _ in range(1 if quick else 3)
@@ -433,6 +445,7 @@ def calibrate(
     coll_scale: tuple[tuple[str, float], ...] = ()
     if collectives and world > 1:
         sizes = [2**p for p in (range(12, 25, 4) if quick else range(10, 27, 2))]
+        say(f"all-reduce, reduce-scatter, all-gather over {world} ranks")
         coll = measure_collectives(acc.kind, world, sizes)
         raw["all_reduce"] = coll
         link = {"intra_gbs": coll["busbw_gbs"], "intra_latency_us": coll["alpha_us"]}
@@ -468,9 +481,18 @@ def calibrate(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    profile, raw = calibrate(quick=args.quick, host_allocator=args.host_allocator)
+    console = Console()
+    with console.status("calibrating") as status:
+
+        def progress(text: str) -> None:
+            status.update(f"calibrating: {text}")
+            console.log(text)
+
+        profile, raw = calibrate(
+            quick=args.quick, host_allocator=args.host_allocator, progress=progress
+        )
     path = save_profile(profile, args.out, raw)
-    Console().print(
+    console.print(
         f"{raw['device']}: GEMM peak {profile.bf16_tflops:.3f} TFLOP/s, memory "
         f"{profile.hbm_gbs:.1f} GB/s (elementwise kernels {profile.elementwise_eff:.0%} of it), "
         f"attention {profile.attn_fwd_eff:.0%}/"

@@ -104,7 +104,12 @@ def cached_profile(
 
     log.info("calibrating the planner on this machine once (cached in %s)", path)
     profile, raw = calibrate(
-        kind, dtype, quick=True, collectives=world > 1, host_allocator=host_allocator
+        kind,
+        dtype,
+        quick=True,
+        collectives=world > 1,
+        host_allocator=host_allocator,
+        progress=lambda text: log.info("calibrating: %s", text),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path, {"measurements": raw})

@@ -146,7 +146,11 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     from hyperloom.planner.hardware import get_accelerator, save_profile
     from hyperloom.planner.strategy import Strategy
 
-    profile, raw = calibrate(device="cpu", dtype="fp32", quick=True, collectives=False)
+    heard: list[str] = []
+    profile, raw = calibrate(
+        device="cpu", dtype="fp32", quick=True, collectives=False, progress=heard.append
+    )
+    assert heard[0].startswith("GEMMs") and any("attention" in h for h in heard)
     assert profile.bf16_tflops > 0 and profile.hbm_gbs > 0 and profile.gemm_table
     assert 0 < profile.elementwise_eff <= 1 and len(profile.attn_table) == 2  # quick: 2 lengths
     assert all(0 < f <= 1 and 0 < b <= 1 for _, f, b in profile.attn_table)

@@ -16,7 +16,7 @@ runs it -- not a microbenchmark's best case:
   layer-sized input, timed against the bytes the planner's layer model counts for them
   (`model.build_layer`), giving ``elementwise_eff`` relative to the copy. They allocate
   fresh outputs and compute transcendentals, so on a CPU they reach a fraction of a copy's
-  bandwidth (0.3-0.4 on the development container);
+  bandwidth (0.2-0.4 in the calibrations on the development container);
 - the host's fixed cost per transformer layer (`measure_layer_overhead`: Python, dispatcher,
   autograd, launches), as ``layer_overhead_s``;
 - attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
@@ -289,7 +289,8 @@ _LAUNCHER_VARS = (
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     """All-reduce, reduce-scatter and all-gather times over `world` local ranks: the
     all-reduce fitted to the ring model (bandwidth and latency), the other two as factors on
-    the ring model's bandwidth term (gloo's are no rings: 2.7-3.4x on loopback).
+    the ring model's bandwidth term (gloo's are no rings: reduce-scatter 3.3-5.8x and
+    all-gather 0.9-2.4x over the calibrations on the development container's loopback).
 
     The ranks are fresh interpreters (not multiprocessing children), so measuring works the
     same whatever script or module started the parent. They get an environment without the

@@ -64,7 +64,8 @@ class Link:
     fixed: float = 0.0
     level: str = "intra"  # "intra" (scale-up fabric), "inter" (NICs) or "local" (n = 1)
     # (kind, factor): a measured collective's bandwidth term over the ring model's from the
-    # all-reduce (gloo's reduce-scatter and all-gather are no rings: 2.7-3.4x on loopback)
+    # all-reduce (gloo's reduce-scatter and all-gather are no rings: 3.3-5.8x and 0.9-2.4x
+    # measured on loopback)
     scale: tuple[tuple[str, float], ...] = ()
 
 

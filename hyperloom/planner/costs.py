@@ -310,7 +310,8 @@ def head_phase(
         comm = collective_time("all_gather", t, 2.0 * tokens * spec.dim, links.tp)
     if rt is not None and rt.fused_cross_entropy:
         weights = spec.vocab_size / t * spec.dim
-        chunks = math.ceil(tokens / min(tokens, ce_chunk_tokens(tokens, spec.dim, logits / tokens)))
+        chunk = ce_chunk_tokens(tokens, spec.dim, spec.vocab_size / t)
+        chunks = math.ceil(tokens / min(tokens, chunk))
         ce_f = acc.elementwise_time(8.0 * logits + 4.0 * x_sp) + acc.memory_time(
             10.0 * weights * chunks
         )

@@ -79,6 +79,9 @@ def runtime_of(job: JobConfig) -> Runtime:
     return job_runtime(fused_cross_entropy=fused)
 
 
+CPU_PROFILE = "calibrated-cpu"  # what `calibrate` names a profile measured on a CPU
+
+
 def cpu_runtime(rt: Runtime) -> Runtime:
     """The runtime on CPU ranks: gloo copies and reduces on the cores the compute needs, so
     a collective issued "in the background" (DDP's buckets during the backward, FSDP's
@@ -94,8 +97,7 @@ def cached_profile(
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent."""
     # v5: the per-layer host overhead; v4: kernels timed in their training form, elementwise
-    # and attention tables (v3: CPU
-    # profiles measure under the run's host allocator policy, `host_memory.py`)
+    # and attention tables; v3: CPU profiles measured under the run's host allocator policy
     policy = f"-{host_allocator}" if kind == "cpu" else ""
     path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v5.json"
     if path.exists():
@@ -168,7 +170,7 @@ def self_check(
     cluster = Cluster(profile, world, gpus_per_node=world)
     try:
         rt = runtime_of(job)
-        if profile.name.startswith("calibrated-cpu"):
+        if profile.name == CPU_PROFILE:
             rt = cpu_runtime(rt)
         plan = predict(spec, cluster, strategy, job.data.seq_len, rt, margin_gib=0.0)
     except PlanError as exc:

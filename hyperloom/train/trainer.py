@@ -69,8 +69,10 @@ class Trainer:
         t = cfg.train
         self.run_dir = Path(cfg.logging.run_dir)
         self.acc = get_accelerator(t.device, index=int(os.environ.get("LOCAL_RANK", "0")))
-        if self.acc.kind == "cpu":  # before any large tensor: the heap serves them all
-            self.host_allocator = configure_host_allocator(t.host_allocator)
+        # CPU: before any large tensor, so the heap serves them all; None on other devices
+        self.host_allocator = (
+            configure_host_allocator(t.host_allocator) if self.acc.kind == "cpu" else None
+        )
         init_distributed(self.acc)
         self.mesh = build_mesh(cfg.parallel, self.acc)
         self.dtype = DTYPES[cfg.precision.dtype]
@@ -288,7 +290,7 @@ class Trainer:
         """The planner's prediction for this job beside the measurement (planner.selfcheck)."""
         from hyperloom.data.build import cache_root
         from hyperloom.planner.hardware import load_profile
-        from hyperloom.planner.selfcheck import cached_profile, cpu_share, self_check
+        from hyperloom.planner.selfcheck import CPU_PROFILE, cached_profile, cpu_share, self_check
 
         cfg, world = self.cfg, self.mesh.world_size
         choice = cfg.logging.self_check
@@ -301,7 +303,7 @@ class Trainer:
             else:
                 profile = load_profile(choice)
             share, local = 1.0, 1
-            if profile.name == "calibrated-cpu":  # all cores measured; a rank gets a share
+            if profile.name == CPU_PROFILE:  # all cores measured; a rank gets a share
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 share = cpu_share(torch.get_num_threads(), local)
             return self_check(cfg, profile, world, step_s, peak_bytes, share, local)
@@ -421,7 +423,7 @@ class Trainer:
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
         summary["layout"] = self.mesh.describe()
-        if self.acc.kind == "cpu":
+        if self.host_allocator is not None:
             summary["host_allocator"] = self.host_allocator
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
         above_baseline = max(self._per_rank(train_peak - self.memory_baseline))

@@ -17,6 +17,13 @@ The cross-entropy runs at vocab 128256 (Llama 3). Its memory is also measured at
 issue shape (8 x 1024 tokens, hidden 4096) on the meta device: the tracker sees the same
 allocations without computing anything, which on a CPU would take minutes.
 
+Operators are timed under the host allocator policy the trainer uses on CPU
+(`--host-allocator cache`, `accelerator.configure_host_allocator`): without it glibc maps every
+large output afresh and each call pays page faults on top of the arithmetic -- 2-3x the time at
+these shapes, for reference and fused alike -- which is what a training step no longer pays
+(the CUDA caching allocator plays that part on a GPU). `--host-allocator system` shows the
+difference.
+
 End to end: training tokens/s of the default model with `ops.fused` on and off, and of the
 plain-PyTorch and Hugging Face baselines, each run in its own process through
 `train_throughput.run_one` (same batches, weights and step as that benchmark).
@@ -44,7 +51,12 @@ import torch
 from contenders import Spec
 from train_throughput import pick_best, run_one, summarize
 
-from hyperloom.accelerator import Accelerator, get_accelerator
+from hyperloom.accelerator import (
+    HOST_ALLOCATORS,
+    Accelerator,
+    configure_host_allocator,
+    get_accelerator,
+)
 from hyperloom.config import DataConfig, ModelConfig, OpsConfig, TrainConfig
 from hyperloom.engine import ops
 from hyperloom.engine.ops.memory import AllocationTracker
@@ -59,14 +71,21 @@ VOCAB = 128256  # Llama 3
 
 
 def fwd_bwd(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Callable[[], None]:
-    """A closure running fn forward, then backward with ones-like gradients."""
+    """A closure running fn forward, then backward with all-ones output gradients.
+
+    The gradients are made on the first call and reused: a layer receives its output
+    gradient from the layer above, so filling a fresh one is not the operator's time (at
+    2048 x 14336 it was ~2.5 ms of SwiGLU's 25)."""
+    grads: list[torch.Tensor] = []
 
     def run() -> None:
         for t in inputs:
             t.grad = None
         out = fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+        if not grads:
+            grads.extend(torch.ones_like(o) for o in outs)
+        torch.autograd.backward(list(outs), grads)
 
     return run
 
@@ -474,6 +493,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-warmup", type=int, default=3, help="untimed steps (compile happens here)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--host-allocator",
+        choices=HOST_ALLOCATORS,
+        default="cache",
+        help="CPU allocator policy for the operator timings (the trainer's default: cache)",
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     return p.parse_args(argv)
 
@@ -482,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     acc = get_accelerator(args.device)
+    host_allocator = configure_host_allocator(args.host_allocator) if acc.kind == "cpu" else None
     wall = time.perf_counter()
     info = machine.machine_info(args.threads, args.device)
     copy_gbs = measure_memory(acc, 256 * 2**20)  # read + write of a 256 MiB copy
@@ -493,13 +519,15 @@ def main(argv: list[str] | None = None) -> int:
             "cross-entropy memory is also counted at 8192 tokens on the meta device"
         )
         print("note: " + note)
-    print(f"copy bandwidth {copy_gbs:.1f} GB/s; operators:", flush=True)
+    alloc = f"; host allocator {host_allocator}" if host_allocator else ""
+    print(f"copy bandwidth {copy_gbs:.1f} GB/s{alloc}; operators:", flush=True)
     payload: dict[str, Any] = {
         "benchmark": "fused_ops",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": info,
         "device": acc.describe(),
         "note": note,
+        "host_allocator": host_allocator,
         "copy_gb_per_s": copy_gbs,
         "operators": bench_operators(args, acc, copy_gbs),
         "cross_entropy": bench_cross_entropy(args, acc),

@@ -26,16 +26,17 @@ schedule rather than out of a formula.
 
 On top: the transient working set of one backward (a recomputed layer, or the last chunk's
 logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weight copies (one
-byte per weight, row- and column-wise), DDP's bucket copy of the gradients, FSDP's gathered
+byte per weight, row- and column-wise), DDP's bucket copy of the gradients where the runtime
+keeps one (``ddp_bucket_copy``), ZeRO-1's FP32 gradient copy where its parameters are not
+FP32 (it flattens them; FP32 gradients are views of its buffer already), FSDP's gathered
 layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
 receive buffers of the routed copies, or the all-gather dispatcher's gathered rows and
 pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``),
 and a plan must leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and
 NCCL.
 
-Two runtime facts apply where the `Runtime` says so (`strategy.job_runtime`, the training
-self-check's runtime): ZeRO-1's FP32 masks over its slice (``zero1_mask_bytes``), and the
-fused, chunked cross-entropy, which saves no logits but keeps the FP32 input and weight
+One runtime fact applies where the `Runtime` says so (`strategy.job_runtime`, the training
+self-check's runtime): the fused, chunked cross-entropy, which saves no logits but keeps the FP32 input and weight
 gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
 (`ce_working_bytes`). A CPU profile's ``host_alloc_factor`` (measured by `plan calibrate`,
 `host_memory.py`) turns the live peak into resident bytes: `Memory.allocator` is the
@@ -124,8 +125,8 @@ def states(
     p, g = rt.param_bytes * params, rt.grad_bytes * params
     if s.zero == 0:
         return p, g, opt
-    if s.zero == 1:  # plus the runtime's per-element masks over the owned slice
-        return p, g, (opt + rt.zero1_mask_bytes * params) / dp
+    if s.zero == 1:
+        return p, g, opt / dp
     grads = g if (rt.fsdp_unsharded_accumulation and s.microbatches > 1) else g / dp
     return p / dp, grads, opt / dp
 
@@ -263,8 +264,8 @@ def rank_memory(
     if s.zero == 3 and s.dp > 1:
         buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
     step_peak = p + g + o
-    if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master:
-        step_peak += rt.grad_bytes * params  # the flat gradient copy reduce-scattered
+    if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
+        step_peak += 4.0 * params  # non-FP32 gradients flattened into an FP32 copy
     live = Memory(
         params=p,
         grads=g,

@@ -10,19 +10,18 @@ which communication is overlapped with compute and how well. Two are built in:
 
 - ``hyperloom`` — this repository's runtime today. Parameters are FP32 and compute runs under
   BF16 autocast, so model states are 4 (param) + 4 (grad) + 8 (Adam m, v) = 16 B/param with
-  zero 0 (DDP, bucketed all-reduce overlapped with the backward; DDP's buckets are a second
-  copy of the gradients); zero 1 keeps params and grads replicated plus a separate FP32
-  master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`; its
-  reduce-scatter and all-gather are not overlapped); zero 3 is FSDP2, 16/dp, with per-block
+  zero 0 (DDP, bucketed all-reduce overlapped with the backward; the gradients are views of
+  its buckets); zero 1 keeps params and grads replicated (the grads in one flat buffer) plus a
+  separate FP32 master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`;
+  its reduce-scatter and all-gather are not overlapped); zero 3 is FSDP2, 16/dp, with per-block
   all-gathers prefetched behind compute and, under gradient accumulation, unsharded
   gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
   weight alive while any micro-batch that used it awaits its backward (+2 B/param).
   Tensor-parallel collectives are not overlapped, and under sequence parallelism the
-  column-parallel linears save the gathered input. Two facts of the runtime are off in the
+  column-parallel linears save the gathered input. One fact of the runtime is off in the
   built-in ``hyperloom`` (so that device-memory numbers stay comparable with the published
-  validation) and on in `job_runtime`, which the training self-check uses: ZeRO-1 also keeps
-  two FP32 masks over its slice (weight decay, tensor-parallel shard; +8/dp B/param), and
-  the output layer and the loss are one fused, chunked operator
+  validation) and on in `job_runtime`, which the training self-check uses: the output layer
+  and the loss are one fused, chunked operator
   (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32 input and weight
   gradients in its forward and keeps them until backward.
 - ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
@@ -73,10 +72,9 @@ class Runtime:
     param_bytes: int = 4  # bytes per parameter as stored (4 = FP32 master is the param)
     grad_bytes: int = 4  # bytes per gradient (FP32)
     zero1_separate_master: bool = True  # ZeRO-1 keeps its own FP32 master slice
-    zero1_mask_bytes: int = 0  # ZeRO-1's FP32 per-element masks over its slice (job_runtime)
     fused_cross_entropy: bool = False  # chunked head + loss, grads formed in the forward
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
-    ddp_bucket_copy: bool = True  # DDP buckets duplicate the gradients
+    ddp_bucket_copy: bool = False  # DDP buckets duplicate the gradients (no bucket views)
     fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
     sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
     tp_overlap: float = 0.0  # fraction of TP comm hidden behind GEMMs
@@ -103,11 +101,9 @@ class Runtime:
 
 
 def job_runtime(fused_cross_entropy: bool = True, base: str = "hyperloom") -> Runtime:
-    """The hyperloom runtime as a training job runs it (module docstring): ZeRO-1's masks, and
-    the fused cross-entropy unless the job's ops keep the reference loss."""
-    return dataclasses.replace(
-        RUNTIMES[base], zero1_mask_bytes=8, fused_cross_entropy=fused_cross_entropy
-    )
+    """The hyperloom runtime as a training job runs it (module docstring): the fused
+    cross-entropy unless the job's ops keep the reference loss."""
+    return dataclasses.replace(RUNTIMES[base], fused_cross_entropy=fused_cross_entropy)
 
 
 RUNTIMES = {
@@ -117,7 +113,6 @@ RUNTIMES = {
         param_bytes=2,
         zero1_separate_master=True,
         autocast_weight_copy=False,
-        ddp_bucket_copy=False,
         fsdp_unsharded_accumulation=False,
         sharded_save=True,
         tp_overlap=0.8,

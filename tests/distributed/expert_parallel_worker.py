@@ -55,7 +55,9 @@ def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -
         grads = {}
         for name, p in pm.inner.named_parameters():
             if p.grad is not None:
-                grads[name] = _full(p.grad, getattr(p, "shard_spec", None), pm.shard_group(p))
+                # a copy: DDP's gradients are views of its buckets, refilled every step
+                g = p.grad.detach().clone()
+                grads[name] = _full(g, getattr(p, "shard_spec", None), pm.shard_group(p))
         opt.step()
         opt.zero_grad(set_to_none=True)
         pm.inner.after_optimizer_step(dp_group)

@@ -1,5 +1,5 @@
 """The memory terms a training job adds beyond the device-memory model, against hand-worked
-bytes: ZeRO-1's masks, the fused cross-entropy's kept gradients and chunk temporaries, and a
+bytes: ZeRO-1's states, the fused cross-entropy's kept gradients and chunk temporaries, and a
 CPU profile's allocator retention."""
 
 from __future__ import annotations
@@ -23,19 +23,26 @@ from hyperloom.planner.memory import (
 from hyperloom.planner.model import ModelSpec
 from hyperloom.planner.selfcheck import runtime_of
 from hyperloom.planner.simulate import predict
-from hyperloom.planner.strategy import RUNTIMES, Strategy, job_runtime
+from hyperloom.planner.strategy import Strategy, job_runtime
 
 # A small Llama: dim 64, vocab 1000, 2 layers.
 SMALL = ModelSpec("small", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
                   vocab_size=1000)  # fmt: skip
 
 
-def test_zero1_masks_add_8_bytes_per_owned_parameter():
+def test_zero1_states_and_its_flat_gradient_copy():
     s = Strategy(dp=4, zero=1, microbatches=1)
-    # 1000 params: param 4000 + grad 4000 + (master 4 + Adam 8 + two masks 8) * 1000 / 4
-    assert states(1000, s, job_runtime()) == pytest.approx((4000, 4000, 5000))
-    assert states(1000, s, RUNTIMES["hyperloom"])[2] == pytest.approx(3000)  # device model
+    # 1000 params: param 4000 + grad 4000 + (master 4 + Adam 8) * 1000 / 4
+    assert states(1000, s, job_runtime()) == pytest.approx((4000, 4000, 3000))
     assert states(1000, Strategy(dp=4, zero=0), job_runtime())[2] == pytest.approx(8000)
+    # FP32 gradients are views of ZeRO-1's buffer: no flattened copy at the update; BF16
+    # parameters' gradients are flattened into an FP32 one (4 B/param more in the step peak)
+    fp32 = predict(SMALL, Cluster.of("h100", 4), s, 16, job_runtime()).memory[0]
+    bf16 = job_runtime().with_param_dtype("bf16")
+    half = predict(SMALL, Cluster.of("h100", 4), s, 16, bf16).memory[0]
+    n = SMALL.params()
+    assert fp32.step_peak == pytest.approx(fp32.params + fp32.grads + fp32.optimizer)
+    assert half.step_peak == pytest.approx(half.params + half.grads + half.optimizer + 4 * n)
 
 
 def test_fused_head_keeps_its_gradients_not_logits():
@@ -107,7 +114,6 @@ def test_self_check_runtime_follows_the_job_ops():
     job = load_config(None, ["--ops.fused", "false"])
     assert not runtime_of(job).fused_cross_entropy
     assert runtime_of(load_config(None, [])).fused_cross_entropy
-    assert runtime_of(job).zero1_mask_bytes == 8
 
 
 @pytest.mark.slow

@@ -22,9 +22,12 @@ stage runs its micro-batches in order, each advancing the delayed-scaling histor
 forward and once in backward, which is the sequence one process accumulating the same
 micro-batches sees. Split backward defers FP8 weight-gradient GEMMs too (see
 `split_backward`). Checkpoints hold the scaling state by global module name, gathered over
-the pipeline ranks (`fp8_state_dict`); a DualPipe chunk's two copies each see half of the
-micro-batches and keep their own histories, of which the first holder's is saved and both
-copies load it.
+the pipeline ranks (`fp8_state_dict`). A DualPipe chunk's two copies each quantize half of
+the step's micro-batches; after the schedule they reduce their delayed-scaling state (history
+by elementwise max, scale by min: `sync_fp8_copies`), as TE reduces amaxes over the replicas
+of a tensor, so every step starts both copies from what the whole step saw and the one copy
+a checkpoint holds resumes both exactly. Within a step the copies still see only their own
+micro-batches, so delayed scaling under DualPipe is close to, not equal to, one process.
 
 Data parallelism under pp is done here rather than by DDP: a split backward accumulates
 weight gradients outside autograd's hooks, so the dp all-reduce (zero 0) or ZeRO-1's
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +50,12 @@ from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
-from hyperloom.engine.fp8.convert import fp8_state_dict, fp8_state_keys, load_fp8_state_dict
+from hyperloom.engine.fp8.convert import (
+    fp8_buffers,
+    fp8_state_dict,
+    fp8_state_keys,
+    load_fp8_state_dict,
+)
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
@@ -142,6 +151,8 @@ class PipelineModel(ParallelModel):
     # name -> copies on this rank; name -> pp ranks holding it (when more than one)
     copies: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     shared_groups: list[tuple[tuple[int, ...], list[str]]] = field(default_factory=list)
+    # delayed-scaling buffer names -> pp ranks holding a copy (when more than one)
+    fp8_shared: list[tuple[tuple[int, ...], list[str]]] = field(default_factory=list)
     owned: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     _eval_executors: dict[int, PipelineExecutor] = field(default_factory=dict)
@@ -217,6 +228,7 @@ class PipelineModel(ParallelModel):
         return super().make_optimizer(cfg)
 
     def reduce_and_clip(self, optimizer, max_norm: float) -> torch.Tensor:
+        self.sync_fp8_copies()
         self.finish_grads()  # sequence-parallel norm weights over tp
         self.sum_shared_grads()
         if isinstance(optimizer, ZeroOneAdamW):
@@ -249,6 +261,43 @@ class PipelineModel(ParallelModel):
                     g = self._grad(p)
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += self.copies[n][0].numel()
+
+    @torch.no_grad()
+    def sync_fp8_copies(self) -> None:
+        """Make every copy of a module's delayed-scaling state equal (module docstring): the
+        elementwise max of the copies' amax histories (slot i of each is its i-th most recent
+        quantization, and both copies quantize equally often) and the min of their scales,
+        in memory for copies on this rank and by an all-reduce over the pipeline ranks that
+        hold the others."""
+        local: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for chunk in self.inner.chunks.values():
+            for key, buf in fp8_buffers(chunk).items():
+                local[key].append(buf)
+        ops = {
+            "fp8_amax_history": (torch.maximum, dist.ReduceOp.MAX),
+            "fp8_scale": (torch.minimum, dist.ReduceOp.MIN),
+        }
+        for key, bufs in local.items():
+            if len(bufs) > 1:
+                merged = functools.reduce(ops[key.rsplit(".", 1)[1]][0], bufs)
+                for b in bufs:
+                    b.copy_(merged)
+        for ranks, keys in self.fp8_shared:
+            group = self.mesh.subgroup("pp", ranks)
+            if group is None:
+                continue
+            for leaf, (_, op) in ops.items():
+                mine = [k for k in keys if k.endswith("." + leaf)]
+                if not mine:
+                    continue
+                flat = torch.cat([local[k][0].reshape(-1) for k in mine])
+                dist.all_reduce(flat, op=op, group=group)
+                offset = 0
+                for k in mine:
+                    n = local[k][0].numel()
+                    for b in local[k]:
+                        b.copy_(flat[offset : offset + n].view_as(b))
+                    offset += n
 
     def _dp_mean_grads(self) -> None:
         """Average the gradients over dp (expert weights were reduced over their own
@@ -378,6 +427,18 @@ def build_pipeline(
     for ranks, _ in shared:  # a collective: every rank creates every group, in order
         mesh.subgroup("pp", ranks)
     shared = [(r, n) for r, n in shared if pp_rank in r]
+    # Delayed-scaling buffers of modules held on several ranks (DualPipe's copies): a module
+    # is held where its parameters are.
+    fp8_by_ranks: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for c in mine:
+        for key in fp8_state_keys(chunks[c]):
+            module = key.rsplit(".", 1)[0] + "."
+            ranks = tuple(
+                sorted({r for n in names[c] if n.startswith(module) for r, _ in holders[n]})
+            )
+            if len(ranks) > 1 and key not in fp8_by_ranks[ranks]:
+                fp8_by_ranks[ranks].append(key)
+    fp8_shared = [(r, sorted(k)) for r, k in sorted(fp8_by_ranks.items())]
 
     seq = cfg.data.seq_len // (tp if par.sp and tp > 1 else 1)
     act_shape = (cfg.train.micro_batch_size, seq, cfg.model.dim)
@@ -404,6 +465,7 @@ def build_pipeline(
         micro_batches=m,
         copies=dict(copies),
         shared_groups=shared,
+        fp8_shared=fp8_shared,
         owned=owned,
         forward_context=forward_context,
         experts=(

@@ -11,9 +11,10 @@ and a last-bit difference in the weights may push a value across an FP8 rounding
 (one E4M3 step, ~6%) when scales are not powers of two. Rank 0 writes per case the relative loss differences
 per step, how many FP8 weight-gradient GEMMs a split-backward schedule deferred to W, and for
 delayed scaling the worst relative difference of the gathered amax histories from the single
-process's, and whether a fresh pipeline given the saved weights and scaling state
-(`fp8_state_dict` / `load_fp8_state_dict`, gathered by global name) takes the next step
-bit for bit like the pipeline that went on.
+process's, whether every copy of a module's scaling state (DualPipe holds each chunk on two
+ranks) is equal after training, and whether a fresh pipeline given the saved weights and
+scaling state (`fp8_state_dict` / `load_fp8_state_dict`, gathered by global name) takes the
+next step bit for bit like the pipeline that went on.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from fp8_tp_worker import reference_model  # torchrun puts this directory on sys.path
 from pipeline_worker import run_cases
 
 from hyperloom.config import config_from_dict
 from hyperloom.engine.fp8 import fp8_state_dict
+from hyperloom.engine.fp8.convert import fp8_buffers
 from hyperloom.parallel import build_mesh
 from hyperloom.pipeline.runtime import build_pipeline
 
@@ -46,6 +49,22 @@ def _step(pm, opt, x, y) -> float:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+def _copies(pm) -> tuple[int, bool]:
+    """(most copies of one module's scaling state over the pipeline ranks, all copies equal)."""
+    local: dict[str, list[torch.Tensor]] = {}
+    for chunk in pm.inner.chunks.values():
+        for key, buf in fp8_buffers(chunk).items():
+            local.setdefault(key, []).append(buf.clone())
+    parts: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    held: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        for key, bufs in (part or {}).items():
+            held.setdefault(key, []).extend(bufs)
+    equal = all(torch.equal(bufs[0], b) for bufs in held.values() for b in bufs)
+    return max(len(bufs) for bufs in held.values()), equal
 
 
 def run_case(case: str, acc) -> dict:
@@ -93,6 +112,7 @@ def run_case(case: str, acc) -> dict:
             r = theirs[key]
             worst = max(worst, ((value - r).abs().max() / r.abs().max().clamp(min=1e-30)).item())
         out["history_vs_single"] = worst
+        out["copies"], out["copies_equal"] = _copies(pm)
         # Resume: a fresh pipeline with the saved weights (by global name) and FP8 state.
         weights = {n: p.detach().clone() for n, p in pm.local_params()}
         again, again_opt = _pipeline(cfg, acc)

@@ -11,11 +11,13 @@ scaling's gathered amax histories must match the single process's to 1e-5 (measu
 and a fresh pipeline given the saved weights and the gathered FP8 state takes the next step
 bit for bit like the pipeline that went on (checkpoint resume under pp).
 
-DualPipe (current, blockwise) also equals one process (measured <= 7.4e-8). Delayed scaling
-under DualPipe is not held to the single process: each of a chunk's two copies sees half of
-the micro-batches, so its histories follow another sequence (measured: losses 1.1e-3 apart
-after 5 steps, histories 1.5 relative), and a resume gives both copies the first holder's
-histories, so it is not bitwise there.
+DualPipe (current, blockwise) also equals one process (measured <= 7.4e-8). Under delayed
+scaling each of a chunk's two copies (on the two ranks) quantizes half of the step's
+micro-batches; after the schedule they reduce their histories (max) and scales (min)
+(`PipelineModel.sync_fp8_copies`). So every copy must hold the same state after training, and
+the resume must be bitwise. The losses are held to 1e-3 of one process, not 1e-5: within a
+step each copy sees only its own micro-batches (measured 7.1e-4 over 5 steps). Without the
+reduction the copies differ, the resume is not bitwise, and the losses drift to 1.7e-3.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("fp8_pp_worker.py")
 CASES = [f"{r}:{s}" for r in ("current", "delayed", "blockwise") for s in ("1f1b", "zb-h1")]
-CASES += ["current:dualpipe", "blockwise:dualpipe"]
+CASES += ["current:dualpipe", "blockwise:dualpipe", "delayed:dualpipe"]
+DUALPIPE_DELAYED_LOSS = 1e-3
 
 
 def test_fp8_pp2_equals_one_process(tmp_path):
@@ -43,16 +46,19 @@ def test_fp8_pp2_equals_one_process(tmp_path):
     for r in results:
         split = r["case"].endswith("zb-h1")
         dualpipe = r["case"].endswith("dualpipe")
+        delayed = r["case"].startswith("delayed")
+        copies = 2 if dualpipe else 1  # DualPipe holds every chunk on both ranks
         if (
             len(r["loss"]) != 5
-            or max(r["loss"]) > 1e-5
+            or max(r["loss"]) > (DUALPIPE_DELAYED_LOSS if dualpipe and delayed else 1e-5)
             # rank 0's 2 layers x 7 FP8 linears x 4 micro-batches x 5 steps, all at W
             # (DualPipe splits the backward of only some of its micro-batches)
             or (not dualpipe and r["fp8_wgrad_deferred"] != (2 * 7 * 4 * 5 if split else 0))
             or (dualpipe and not r["fp8_wgrad_deferred"])
-            or r.get("history_vs_single", 0.0) > 1e-5
+            or (not dualpipe and r.get("history_vs_single", 0.0) > 1e-5)
             or r.get("resume_bitwise") is False
-            or (r["case"].startswith("delayed") and r.get("resume_bitwise") is not True)
+            or (delayed and r.get("resume_bitwise") is not True)
+            or (delayed and (r["copies"] != copies or not r["copies_equal"]))
         ):
             bad.append(r)
     assert not bad, json.dumps(bad, indent=1)

@@ -92,6 +92,12 @@ def _scaling_buffers(model: nn.Module) -> Iterable[tuple[str, Fp8State, torch.Te
                 yield f"{name}.{leaf}", m, getattr(m, leaf)
 
 
+def fp8_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's delayed-scaling buffers by full name, as they are (no gathering: under ep an
+    expert layer's are this rank's piece)."""
+    return {key: buf for key, _, buf in _scaling_buffers(model)}
+
+
 def fp8_state_keys(model: nn.Module) -> list[str]:
     """The names `fp8_state_dict` returns, without gathering anything."""
     return [key for key, _, _ in _scaling_buffers(model)]

@@ -232,7 +232,7 @@ class ZeroOneAdamW:
         self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias1 = 1 - beta1**self.step_count
         bias2 = 1 - beta2**self.step_count
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.eps)
+        denom = self.exp_avg_sq.sqrt().div_(math.sqrt(bias2)).add_(self.eps)  # one temporary
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
         self._publish()
         self.grad_shard = None

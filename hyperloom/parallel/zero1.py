@@ -124,9 +124,7 @@ class ZeroOneAdamW:
             self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=device)
             self.views = self._split(self.buffer)
             self._attach()
-        self.shard_out = (
-            None if self.in_place else torch.empty(self.shard, dtype=torch.float32, device=device)
-        )
+        self.shard_out = torch.empty(0 if self.in_place else self.shard, device=device)
         self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay}]
         self.betas, self.eps = (cfg.beta1, cfg.beta2), cfg.eps
 
@@ -184,9 +182,7 @@ class ZeroOneAdamW:
             dist.all_reduce(flat, group=self.group)
             shard = flat[self.lo : self.hi]
         else:
-            shard = self.shard_out
-            if shard is None or flat is not self.buffer:
-                shard = torch.empty(self.shard, dtype=torch.float32, device=flat.device)
+            shard = self.shard_out  # allocated once: NCCL-style reduce-scatters need no copy
             dist.reduce_scatter_tensor(shard, flat, group=self.group)
         self.grad_shard = shard.div_(self.dp)
 

@@ -82,9 +82,12 @@ class ZeroOneAdamW:
         tp_group=None,
         counted: Callable[[nn.Parameter], bool] | None = None,
         extra_norm_group=None,
+        in_place: bool | None = None,
     ):
         """`counted` says which parameters the gradient norm counts (pipeline copies of a
-        parameter count once); `extra_norm_group` sums the norm over more ranks (pp)."""
+        parameter count once); `extra_norm_group` sums the norm over more ranks (pp);
+        `in_place` picks the all-reduce collectives (default: on gloo) over reduce-scatter and
+        all-gather (module docstring)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.tp_group = dp_group, tp_group
         self.extra_norm_group = extra_norm_group
@@ -117,14 +120,16 @@ class ZeroOneAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
         self.grad_shard: torch.Tensor | None = None
-        self.in_place = dist.get_backend(dp_group) == "gloo"
+        self.in_place = dist.get_backend(dp_group) == "gloo" if in_place is None else in_place
         self.buffer: torch.Tensor | None = None  # the flat gradient buffer, when views work
         self.views: list[torch.Tensor] = []
         if all(p.dtype == torch.float32 and p.device == device for p in self.params):
             self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=device)
             self.views = self._split(self.buffer)
             self._attach()
-        self.shard_out = torch.empty(0 if self.in_place else self.shard, device=device)
+        self.shard_out = torch.empty(
+            0 if self.in_place else self.shard, dtype=torch.float32, device=device
+        )
         self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay}]
         self.betas, self.eps = (cfg.beta1, cfg.beta2), cfg.eps
 

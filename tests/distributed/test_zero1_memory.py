@@ -30,3 +30,4 @@ def test_zero1_step_allocates_at_most_a_shard(tmp_path):
     assert r["shard_bytes"] * 2 == r["full_bytes"], r
     assert 0 < r["largest_bytes"] <= r["shard_bytes"], r
     assert r["peak_bytes"] <= r["shard_bytes"] * 1.05, r
+    assert r["scatter_gather_equal"], r  # the NCCL-style collectives, run on gloo

@@ -6,7 +6,8 @@ A small Llama trains two steps with `ZeroOneAdamW` over the world. Rank 0 writes
 second step: whether every gradient autograd produced is a view of the optimizer's flat buffer
 (accumulated in place), and the largest single allocation and the peak of live bytes that
 `reduce_grads`, `clip_grad_norm` and `step` make (`AllocationTracker`), beside the sizes of the
-whole flat space and of this rank's shard.
+whole flat space and of this rank's shard; and whether the reduce-scatter / all-gather
+collectives (what NCCL-style backends use) give the same weights bit for bit.
 """
 
 import json
@@ -27,12 +28,19 @@ cfg = ModelConfig(
 )
 model = init_model(cfg, "cpu", seed=0)
 opt = ZeroOneAdamW(model, TrainConfig(), dist.group.WORLD)
+other = init_model(cfg, "cpu", seed=0)
+other_opt = ZeroOneAdamW(other, TrainConfig(), dist.group.WORLD, in_place=False)
 gen = torch.Generator().manual_seed(dist.get_rank())
 report = {}
 for _ in range(2):
     opt.zero_grad(set_to_none=True)
+    other_opt.zero_grad(set_to_none=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=gen)
     model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    other(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    other_opt.reduce_grads()
+    other_opt.clip_grad_norm(1.0)
+    other_opt.step()
     buffer = getattr(opt, "buffer", None)
     base = None if buffer is None else buffer.untyped_storage().data_ptr()
     views = all(p.grad.untyped_storage().data_ptr() == base for p in opt.params)
@@ -46,6 +54,9 @@ for _ in range(2):
         "peak_bytes": t.peak_bytes,
         "full_bytes": opt.padded * 4,
         "shard_bytes": opt.shard * 4,
+        "scatter_gather_equal": all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+        ),
     }
 if dist.get_rank() == 0:
     Path(sys.argv[1]).write_text(json.dumps(report))

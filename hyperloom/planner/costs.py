@@ -435,9 +435,13 @@ def dp_sync(
         last = collective_time("all_reduce", n0, bucket, link0)
         return total, max(last, _exposed(total, b_window, rt.ddp_overlap))
     if s.zero == 1:
-        rs = coll("reduce_scatter", rt.grad_reduce_bytes)
-        ag = coll("all_gather", rt.param_gather_bytes)
-        last = collective_time("reduce_scatter", n0, bucket, link0)
+        if rt.zero1_in_place:  # gloo: gradients, then the FP32 weights, all-reduced whole
+            first, second, width = "all_reduce", "all_reduce", 4
+        else:
+            first, second, width = "reduce_scatter", "all_gather", rt.param_gather_bytes
+        rs = coll(first, rt.grad_reduce_bytes)
+        ag = coll(second, width)
+        last = collective_time(first, n0, bucket, link0)
         exposed = max(last, _exposed(rs, b_window, rt.zero1_overlap))
         return rs + ag, exposed + _exposed(ag, f_window, rt.zero1_overlap)
     if not rt.fsdp_unsharded_accumulation:

@@ -85,9 +85,16 @@ CPU_PROFILE = "calibrated-cpu"  # what `calibrate` names a profile measured on a
 def cpu_runtime(rt: Runtime) -> Runtime:
     """The runtime on CPU ranks: gloo copies and reduces on the cores the compute needs, so
     a collective issued "in the background" (DDP's buckets during the backward, FSDP's
-    prefetches) takes its time from the compute instead of hiding behind it."""
+    prefetches) takes its time from the compute instead of hiding behind it; and ZeRO-1 on
+    gloo all-reduces in place (`parallel/zero1.py`)."""
     return dataclasses.replace(
-        rt, ddp_overlap=0.0, fsdp_overlap=0.0, cp_overlap=0.0, zero1_overlap=0.0, ep_overlap=0.0
+        rt,
+        ddp_overlap=0.0,
+        fsdp_overlap=0.0,
+        cp_overlap=0.0,
+        zero1_overlap=0.0,
+        ep_overlap=0.0,
+        zero1_in_place=True,
     )
 
 

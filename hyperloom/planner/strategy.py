@@ -13,7 +13,8 @@ which communication is overlapped with compute and how well. Two are built in:
   zero 0 (DDP, bucketed all-reduce overlapped with the backward; the gradients are views of
   its buckets); zero 1 keeps params and grads replicated (the grads in one flat buffer) plus a
   separate FP32 master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`;
-  its reduce-scatter and all-gather are not overlapped); zero 3 is FSDP2, 16/dp, with per-block
+  its reduce-scatter and all-gather are not overlapped, and on gloo they are two in-place
+  all-reduces, ``zero1_in_place``, which `selfcheck.cpu_runtime` sets); zero 3 is FSDP2, 16/dp, with per-block
   all-gathers prefetched behind compute and, under gradient accumulation, unsharded
   gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
   weight alive while any micro-batch that used it awaits its backward (+2 B/param).
@@ -81,6 +82,7 @@ class Runtime:
     cp_overlap: float = 1.0  # fraction of CP comm hidden behind attention
     ddp_overlap: float = 1.0  # zero 0: all-reduce behind the last backward
     zero1_overlap: float = 0.0  # zero 1: reduce-scatter / all-gather behind compute
+    zero1_in_place: bool = False  # zero 1 all-reduces grads and weights instead (gloo)
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
     param_gather_bytes: int = 4  # zero 1 all-gathers the updated params in this width
     grad_reduce_bytes: int = 4

@@ -94,3 +94,24 @@ def test_layer_overhead_is_host_time_added_per_layer_and_micro_batch():
     host = layer_phase(layer, spec, s, dataclasses.replace(CPU, layer_overhead_s=0.003), links, rt)
     assert host.f - plain.f == pytest.approx(0.001) and host.b - plain.b == pytest.approx(0.002)
     assert host.w == plain.w and host.compute - plain.compute == pytest.approx(0.003)
+
+
+def test_zero1_on_cpu_is_costed_as_the_runtime_runs_it():
+    # On gloo, ZeRO-1 all-reduces the gradients and the FP32 weights in place
+    # (`parallel/zero1.py`); elsewhere it reduce-scatters and all-gathers.
+    from hyperloom.planner.costs import dp_sync, links_for
+    from hyperloom.planner.selfcheck import cpu_runtime
+    from hyperloom.planner.strategy import RUNTIMES
+
+    gloo = dataclasses.replace(CPU, collective_scale=(("reduce_scatter", 4.0),))
+    s = Strategy(dp=2, zero=1, microbatches=1)
+    links = links_for(Cluster(gloo, 2, 2), s)
+    n = 22e6
+    rt = RUNTIMES["hyperloom"]
+    total, _ = dp_sync(n, 1.0, 1.0, s, links, cpu_runtime(rt))
+    ar = collective_time("all_reduce", 2, 4 * n, links.dp)
+    assert total == pytest.approx(2 * ar)
+    total, _ = dp_sync(n, 1.0, 1.0, s, links, rt)
+    rs = collective_time("reduce_scatter", 2, 4 * n, links.dp)
+    ag = collective_time("all_gather", 2, rt.param_gather_bytes * n, links.dp)
+    assert total == pytest.approx(rs + ag) and rs + ag > 2 * ar  # gloo's slow reduce-scatter

@@ -35,6 +35,12 @@ long benchmark can be continued. `--collect` only gathers what the run dirs hold
     python benchmarks/fp8_convergence.py --recipes bf16,current,blockwise --parallel 2 --threads 1
     python benchmarks/fp8_convergence.py --micro-batch 2 --seq-len 128    # fewer tokens per step
     python benchmarks/fp8_convergence.py --collect                        # table + plot from run dirs
+    python benchmarks/fp8_convergence.py --combine s1.json s2.json --json seeds.json  # over seeds
+
+`--combine` reads the JSONs of runs that differ only in `--seed` and gives, per recipe, each
+seed's final validation loss and difference from that seed's BF16, their mean, and the
+difference of the mean losses: one seed's end point is a draw from a spread that the seeds
+show.
 """
 
 from __future__ import annotations
@@ -260,6 +266,55 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def combine(paths: list[Path], out_path: Path, tolerance: float) -> dict[str, Any]:
+    """Per recipe over seeds (module docstring); the seeds' runs must share every setting."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    keys = ("model", "steps", "micro_batch", "seq_len", "eval_batches", "on_anomaly")
+    for key in keys:
+        if len({json.dumps(part.get(key)) for part in parts}) > 1:
+            raise SystemExit(f"--combine: the runs differ in {key}; only --seed may differ")
+    seeds = [part["seed"] for part in parts]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--combine: seeds repeat ({seeds})")
+    recipes = [r for r in parts[0]["runs"] if all(r in part["runs"] for part in parts)]
+    out: dict[str, Any] = {k: parts[0].get(k) for k in keys + ("tokens_per_step",)}
+    out.update(seeds=seeds, tolerance_pct=tolerance, recipes={})
+    for r in recipes:
+        runs = [part["runs"][r] for part in parts]
+        finals = [run["final_val_loss"] for run in runs]
+        diffs = [run["diff_vs_bf16_pct"] for run in runs]
+        bases = [part["runs"]["bf16"]["final_val_loss"] for part in parts]
+        out["recipes"][r] = {
+            "final_val_loss": finals,
+            "diff_vs_bf16_pct": diffs,
+            "mean_diff_pct": sum(diffs) / len(diffs),
+            "diff_of_means_pct": 100 * (sum(finals) / sum(bases) - 1),
+            "train_diff_vs_bf16_pct": [run["train_diff_vs_bf16_pct"] for run in runs],
+            "skipped_updates": [run.get("skipped_updates") for run in runs],
+            "finished": all(run["finished"] for run in runs),
+        }
+    out["verdict"] = {
+        r: {"mean_diff_pct": v["mean_diff_pct"], "within": abs(v["mean_diff_pct"]) <= tolerance}
+        for r, v in out["recipes"].items()
+        if r in JUDGED
+    }
+    print(f"{len(seeds)} seeds {seeds}, {out['steps']} steps, {out['tokens_per_step']} tokens/step")
+    print(f"{'recipe':<11}" + "".join(f"{'seed ' + str(s):>16}" for s in seeds) + f"{'mean':>10}")
+    for r, v in out["recipes"].items():
+        cells = "".join(
+            f"{f'{f:.4f} ({d:+.2f}%)':>16}"
+            for f, d in zip(v["final_val_loss"], v["diff_vs_bf16_pct"], strict=True)
+        )
+        print(f"{r:<11}{cells}{v['mean_diff_pct']:>+9.2f}%")
+    for r, v in out["verdict"].items():
+        state = "within" if v["within"] else "NOT within"
+        print(f"{r}: mean over seeds {v['mean_diff_pct']:+.2f}%, {state} {tolerance}% of BF16")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {out_path}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, in run order")
@@ -282,9 +337,15 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.5, help="percent, for blockwise/current")
     ap.add_argument("--run-root", type=Path, default=Path("runs/fp8_convergence"))
     ap.add_argument("--collect", action="store_true", help="train nothing; gather the run dirs")
+    ap.add_argument(
+        "--combine", type=Path, nargs="+", help="train nothing; summarise these JSONs over seeds"
+    )
     ap.add_argument("--json", type=Path, default=RESULTS / "fp8_convergence.json")
     ap.add_argument("--plot", type=Path, default=RESULTS / "fp8_convergence.png")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.json, args.tolerance)
+        return
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = sorted(set(recipes) - set(RECIPES) - set(CONTROLS))
     if unknown:

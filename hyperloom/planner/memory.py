@@ -256,7 +256,13 @@ def rank_memory(
         layer_matmul -= shed
     buffers = lm.dispatch
     if rt.autocast_weight_copy:
-        buffers += 2.0 * params
+        cast = params
+        if rt.autocast_per_op:  # no cast of the embedding; the fused loss casts the head itself
+            vocab = spec.embedding_params() / s.tp
+            cast -= vocab if 0 in chunks else 0.0
+            if last in chunks and rt.fused_cross_entropy and not spec.tie_embeddings:
+                cast -= vocab
+        buffers += 2.0 * max(cast, 0.0)
     if s.fp8:
         buffers += 2.0 * n_layers * layer_matmul / s.tp
     if s.zero == 0 and s.dp > 1 and rt.ddp_bucket_copy:

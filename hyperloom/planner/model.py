@@ -313,8 +313,15 @@ def build_layer(
     sp: bool,
     sharded_save: bool = True,
     ep: int = 1,
+    per_op_casts: bool = False,
 ) -> Layer:
-    """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks."""
+    """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks.
+
+    `per_op_casts` (`Runtime.autocast_per_op`): the norms keep the residual stream's FP32
+    input for backward, and their FP32 output is cast to BF16 by autocast once per linear
+    that reads it, each cast saved by its linear: three copies before q, k, v and two before
+    a gated MLP's w1, w3 (measured with `saved_tensors_hooks` on our Llama: 10 B per token
+    and model dimension more than one BF16 norm output each; dense layers only)."""
     if spec.mla:
         return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep)
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
@@ -352,16 +359,19 @@ def build_layer(
                 Saved("attn_dropout_mask", scores, "core_attn"),
                 Saved("attn_dropout_out", 2 * scores, "core_attn"),
             )
+    norm_in = 4 * x_sp if per_op_casts else 2 * x_sp
+    qkv_copies = 3 if per_op_casts else 1
+    fc1_copies = (2 if spec.gated_mlp else 1) if per_op_casts else 1
     saved = [
-        Saved("norm1_in", 2 * x_sp, "input"),
-        Saved("qkv_in", 2 * x_in, "norm", gemm_input=True),
+        Saved("norm1_in", norm_in, "input"),
+        Saved("qkv_in", 2 * x_in * qkv_copies, "norm", gemm_input=True),
         Saved("q", 2 * tokens * q / t, "layer"),
         Saved("k", 2 * tokens * kv / t, "layer"),
         Saved("v", 2 * tokens * kv / t, "layer"),
         *core_saved,
         Saved("out_in", 2 * tokens * q / t, "layer", gemm_input=True),
-        Saved("norm2_in", 2 * x_sp, "layer"),
-        Saved("fc1_in", 2 * x_in, "norm", gemm_input=True),
+        Saved("norm2_in", norm_in, "layer"),
+        Saved("fc1_in", 2 * x_in * fc1_copies, "norm", gemm_input=True),
         Saved("fc1_out", 2 * tokens * n_fc1 / t, "layer"),
         Saved("fc2_in", 2 * tokens * f / t, "mlp_act", gemm_input=True),
     ]

@@ -187,7 +187,9 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     reset, so one entry serves every schedule of a layout."""
     links = links_for(cluster, key, spec, rt.a2a_node_dedup)
     acc = effective_accelerator(cluster, rt)
-    layer = build_layer(spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep)
+    layer = build_layer(
+        spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op
+    )
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links)
     head = head_phase(spec, key, seq, acc, links, rt)

@@ -19,10 +19,14 @@ which communication is overlapped with compute and how well. Two are built in:
   gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
   weight alive while any micro-batch that used it awaits its backward (+2 B/param).
   Tensor-parallel collectives are not overlapped, and under sequence parallelism the
-  column-parallel linears save the gathered input. One fact of the runtime is off in the
+  column-parallel linears save the gathered input. Two facts of the runtime are off in the
   built-in ``hyperloom`` (so that device-memory numbers stay comparable with the published
-  validation) and on in `job_runtime`, which the training self-check uses: the output layer
-  and the loss are one fused, chunked operator
+  validation) and on in `job_runtime`, which the training self-check uses. First, autocast
+  works per op (``autocast_per_op``): the norms save their FP32 input and each linear saves
+  its own BF16 cast of the FP32 norm output (three before q, k, v; two before w1, w3), and
+  no weight copy is made for the embedding (a lookup) or, under the fused loss, the head
+  (the loss operator casts it itself). Second, the output layer and the loss are one fused,
+  chunked operator
   (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32 input and weight
   gradients in its forward and keeps them until backward.
 - ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
@@ -75,6 +79,7 @@ class Runtime:
     zero1_separate_master: bool = True  # ZeRO-1 keeps its own FP32 master slice
     fused_cross_entropy: bool = False  # chunked head + loss, grads formed in the forward
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
+    autocast_per_op: bool = False  # FP32 norm in/out, a BF16 input cast per linear (job_runtime)
     ddp_bucket_copy: bool = False  # DDP buckets duplicate the gradients (no bucket views)
     fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
     sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
@@ -104,8 +109,11 @@ class Runtime:
 
 def job_runtime(fused_cross_entropy: bool = True, base: str = "hyperloom") -> Runtime:
     """The hyperloom runtime as a training job runs it (module docstring): the fused
-    cross-entropy unless the job's ops keep the reference loss."""
-    return dataclasses.replace(RUNTIMES[base], fused_cross_entropy=fused_cross_entropy)
+    cross-entropy unless the job's ops keep the reference loss, and autocast as torch applies
+    it, per op (`autocast_per_op`)."""
+    return dataclasses.replace(
+        RUNTIMES[base], fused_cross_entropy=fused_cross_entropy, autocast_per_op=True
+    )
 
 
 RUNTIMES = {

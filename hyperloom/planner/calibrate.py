@@ -86,11 +86,17 @@ def _median_time(fn, sync, runs: int = 5, warmup: int = 3) -> float:
 
 
 def measure_gemms(
-    acc, dtype: torch.dtype, shapes, runs: int = 5
+    acc, dtype: torch.dtype, shapes, runs: int = 5, rounds: int = 3
 ) -> list[tuple[tuple[int, int, int], float]]:
     """TFLOP/s per (m, n, k) = (tokens, out, in) over a GEMM's three training forms:
-    forward x (m, k) @ wᵀ, data gradient g (m, n) @ w (n, k), weight gradient gᵀ @ x."""
-    out = []
+    forward x (m, k) @ wᵀ, data gradient g (m, n) @ w (n, k), weight gradient gᵀ @ x.
+
+    Each shape is timed in `rounds` rounds over all shapes (the median of `runs` calls per
+    form and round), and keeps its median round: a burst of other work on the machine lands
+    in one round of a few shapes, not in every run of one shape. With one round, such a
+    burst once halved three shapes' figures and put a validation's one-process prediction
+    25% high."""
+    cases = []
     for m, n, k in shapes:
         x = torch.randn(m, k, device=acc.device).to(dtype)
         w = torch.randn(n, k, device=acc.device).to(dtype)
@@ -100,9 +106,15 @@ def measure_gemms(
             lambda g=g, w=w: g @ w,
             lambda g=g, x=x: g.t() @ x,
         )
-        t = sum(_median_time(f, acc.synchronize, runs) for f in forms)
-        out.append(((m, n, k), 3 * 2.0 * m * n * k / t / 1e12))
-    return out
+        cases.append(((m, n, k), forms))
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(rounds):
+        for i, (_, forms) in enumerate(cases):
+            times[i].append(sum(_median_time(f, acc.synchronize, runs) for f in forms))
+    return [
+        ((m, n, k), 3 * 2.0 * m * n * k / statistics.median(t) / 1e12)
+        for ((m, n, k), _), t in zip(cases, times, strict=True)
+    ]
 
 
 def measure_memory(acc, nbytes: int) -> float:

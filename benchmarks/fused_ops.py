@@ -19,7 +19,7 @@ allocations without computing anything, which on a CPU would take minutes.
 
 Operators are timed under the host allocator policy the trainer uses on CPU
 (`--host-allocator cache`, `accelerator.configure_host_allocator`): without it glibc maps every
-large output afresh and each call pays page faults on top of the arithmetic -- 3-5x the time at
+large output afresh and each call pays page faults on top of the arithmetic -- 2.5-5x the time at
 these shapes, for reference and fused alike -- which is what a training step no longer pays
 (the CUDA caching allocator plays that part on a GPU). `--host-allocator system` shows the
 difference.

@@ -429,15 +429,15 @@ def build_pipeline(
     shared = [(r, n) for r, n in shared if pp_rank in r]
     # Delayed-scaling buffers of modules held on several ranks (DualPipe's copies): a module
     # is held where its parameters are.
-    fp8_by_ranks: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    fp8_by_ranks: dict[tuple[int, ...], set[str]] = defaultdict(set)
     for c in mine:
         for key in fp8_state_keys(chunks[c]):
             module = key.rsplit(".", 1)[0] + "."
             ranks = tuple(
                 sorted({r for n in names[c] if n.startswith(module) for r, _ in holders[n]})
             )
-            if len(ranks) > 1 and key not in fp8_by_ranks[ranks]:
-                fp8_by_ranks[ranks].append(key)
+            if len(ranks) > 1:
+                fp8_by_ranks[ranks].add(key)
     fp8_shared = [(r, sorted(k)) for r, k in sorted(fp8_by_ranks.items())]
 
     seq = cfg.data.seq_len // (tp if par.sp and tp > 1 else 1)

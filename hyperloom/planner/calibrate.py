@@ -168,7 +168,7 @@ def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 11) -> float:
     accounts for: our Llama at a size where the arithmetic is negligible (dim 64, 16 tokens)
     with 1 and with 3 layers, the difference halved (embedding, head, loss and the backward's
     set-up cancel). On a GPU this is the host's launch path, on a CPU the dispatcher, autograd
-    and Python between kernels (2.1-2.4 ms on the development container).
+    and Python between kernels (1.7-2.4 ms on the development container).
 
     The two models' steps alternate and each keeps its fastest: host work only gets slower
     when something else takes the core, and a 2 ms difference drowned when the two were

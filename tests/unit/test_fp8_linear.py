@@ -41,9 +41,13 @@ def test_scaled_mm_path_equals_the_emulation(recipe):
     torch.manual_seed(0)
     a = quantize_for(torch.randn(24, 40), recipe, "input")
     b = quantize_for(torch.randn(16, 40), recipe, "weight")
-    # torch._scaled_mm on CPU dequantizes, then multiplies in FP32: the emulation's bits.
-    emulated = (a.data.float() * a.scale_inv) @ (b.data.float() * b.scale_inv).t()
-    assert torch.equal(fp8_gemm(a, b), emulated)
+    # torch._scaled_mm on CPU dequantizes, then multiplies in FP32: the emulation (which
+    # CPU uses, converting through a table) must give its bits.
+    sa, sb = a.scale_inv.reshape(-1, 1), b.scale_inv.reshape(1, -1)
+    if a.is_tensorwise:
+        sa, sb = sa.reshape(()), sb.reshape(())
+    scaled = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.float32)
+    assert torch.equal(fp8_gemm(a, b), scaled)
     assert fp8_gemm(a, b, torch.bfloat16).dtype == torch.bfloat16
 
 

@@ -64,24 +64,57 @@ def format_for(choice: str, role: str) -> Fp8Format:
     return E5M2 if (choice == "hybrid" and role in GRAD_ROLES) else E4M3
 
 
-def cast_to_fp8(x_scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def cast_to_fp8(x_scaled: torch.Tensor, fmt: Fp8Format, overwrite: bool = False) -> torch.Tensor:
     """Saturating, round-to-nearest-even cast of already scaled float values to `fmt`.
 
     NaN stays NaN; +-Inf becomes NaN in E4M3 (no Inf encoding) and stays +-Inf in E5M2.
+    `overwrite=True` lets the cast use `x_scaled` (a temporary of the caller's) as its
+    scratch space instead of allocating: the quantizers pass their scaled copy.
     """
+    if not fmt.has_inf:
+        # Inf * 0 = NaN and finite * 0 = +-0, so adding x * 0 turns exactly the infinities
+        # into NaN; the clamp then saturates the finite values and keeps NaN. Two passes in
+        # place, where isinf + where take two more and two allocations.
+        y = x_scaled if overwrite else x_scaled.clone()
+        y.addcmul_(x_scaled, _ZERO).clamp_(-fmt.max, fmt.max)
+        return y.to(fmt.dtype)
     y = x_scaled.clamp(-fmt.max, fmt.max)  # clamp keeps NaN
-    inf = torch.isinf(x_scaled)
-    y = torch.where(inf, x_scaled if fmt.has_inf else torch.full_like(y, float("nan")), y)
-    return y.to(fmt.dtype)
+    return torch.where(torch.isinf(x_scaled), x_scaled, y).to(fmt.dtype)
+
+
+_ZERO = torch.zeros(())
+_LUT: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fp8_to_float(q: torch.Tensor) -> torch.Tensor:
+    """FP8 values as FP32, bit for bit `q.float()`, through a 256-entry table.
+
+    Why not `q.float()`: on CPU, PyTorch converts E4M3 element by element in a scalar loop,
+    3.2 ms per million values on this project's CPU, five times a table lookup (0.67 ms) and
+    a tenth of an FP32 GEMM's time on the same operand; each FP8 GEMM converts both operands.
+    The table is the format's own conversion of all 256 codes, so NaN payloads and signed
+    zeros come out as `float()` gives them. Other devices convert natively.
+    """
+    if q.device.type != "cpu":
+        return q.float()
+    if not q.is_contiguous() and q.dim() == 2 and q.t().is_contiguous():
+        return fp8_to_float(q.t()).t()  # a transposed view: look up in storage order
+    key = (q.dtype, q.device)
+    lut = _LUT.get(key)
+    if lut is None:
+        codes = torch.arange(256, dtype=torch.uint8, device=q.device)
+        lut = _LUT[key] = codes.view(q.dtype).float()
+    idx = q.contiguous().view(torch.uint8).reshape(-1).int()
+    return lut.index_select(0, idx).view(q.shape)
 
 
 def quantize_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """q = cast(x * scale): `scale` is the multiplier (fp8_max / amax for current scaling)."""
-    return cast_to_fp8(x.float() * scale, fmt)
+    return cast_to_fp8(x.float() * scale, fmt, overwrite=True)
 
 
 def dequantize_tensorwise(
     q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """x ~= q * scale_inv (scale_inv = 1 / scale)."""
-    return (q.float() * scale_inv).to(dtype)
+    return (fp8_to_float(q) * scale_inv).to(dtype)

@@ -9,9 +9,13 @@ For y = x Wᵀ (x (M, K), W (N, K)) the three GEMMs and their contraction dimens
 Each operand is quantized along its contraction dimension (`recipes.quantize_for`). A
 quantized tensor whose scales survive transposition (one per tensor, or square 128 x 128
 blocks) is reused transposed; otherwise the transposed operand is quantized again from the
-high-precision tensor (rowwise, 1 x 128 tiles, MX 1 x 32), as TE and torchao do. GEMM
-outputs are FP32, returned in the autocast dtype (or the input's) for y and dx and in the
-weight's dtype for dW; bias and its gradient stay in high precision.
+high-precision tensor (rowwise, 1 x 128 tiles, MX 1 x 32), as TE and torchao do. GEMMs
+accumulate in FP32 and round their outputs once to the dtype a BF16 layer's GEMMs produce:
+the autocast dtype (or the input's without autocast) for all three, so under BF16 autocast y,
+dx and dW come out in BF16 -- as `F.linear` gives them to the BF16 baseline, and as TE's
+GEMMs return the activation dtype -- and are then cast to the input's dtype (dx) and the
+weight's (dW). Without autocast an FP32 layer keeps FP32 outputs. A bias is added in FP32
+before the rounding; its gradient stays in high precision.
 
 With `fp8_activation=True` the activation saved for backward is the FP8 copy (1 byte per
 element instead of 2 or 4); recipes whose activation scales do not transpose dequantize it
@@ -144,9 +148,10 @@ class _Fp8LinearFn(torch.autograd.Function):
             red_w = None if k_whole else red["weight"]
             qx = _q(x2d, plan.recipe, "input", plan.states["input"], red["input"])
             qw = _q(weight, plan.recipe, "weight", plan.states["weight"], red_w)
-            y = fp8_gemm(qx, qw)  # (M, N) fp32
-            if bias is not None:
-                y = y + bias.float()
+            if bias is None:
+                y = fp8_gemm(qx, qw, plan.out_dtype)  # (M, N)
+            else:
+                y = fp8_gemm(qx, qw) + bias.float()
         ctx.plan, ctx.qw, ctx.x_shape, ctx.x_dtype = plan, qw, x.shape, x.dtype
         ctx.has_bias = bias is not None
         leaves = weight.is_leaf and (bias is None or bias.is_leaf)
@@ -167,7 +172,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"], red)
             if ctx.needs_input_grad[0]:  # Wᵀ along N: sharded with grad_output (rowwise)
                 wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight", None, red)
-                dx = fp8_gemm(qdy, wt).to(ctx.x_dtype).view(ctx.x_shape)  # (…, K)
+                dx = fp8_gemm(qdy, wt, plan.out_dtype).to(ctx.x_dtype).view(ctx.x_shape)
         want_w = ctx.needs_input_grad[1]
         want_b = ctx.has_bias and ctx.needs_input_grad[2]
         recipe, w_dtype = plan.recipe, weight.dtype
@@ -182,7 +187,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                     else:  # re-tile along M, from the FP8 copy when that is what was kept
                         hp = qx.dequantize() if qx is not None else x2d
                         xt = _q(hp.t(), recipe, "input")
-                    gw = fp8_gemm(dyt, xt).to(w_dtype)  # (N, K)
+                    gw = fp8_gemm(dyt, xt, plan.out_dtype).to(w_dtype)  # (N, K)
                 if want_b:
                     gb = dy2d.float().sum(0).to(w_dtype)
             return gw, gb

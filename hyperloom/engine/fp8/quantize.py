@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hyperloom.engine.fp8.formats import Fp8Format, cast_to_fp8
+from hyperloom.engine.fp8.formats import Fp8Format, cast_to_fp8, fp8_to_float
 
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -40,6 +40,7 @@ class Fp8Tensor:
     scale_inv: torch.Tensor  # (ceil(M / block[0]), ceil(K / block[1])) float32
     block: tuple[int, int]
     fmt: Fp8Format
+    pow2: bool = False  # every scale a power of two: data x scale is exact, even in BF16
 
     @property
     def shape(self) -> torch.Size:
@@ -57,10 +58,22 @@ class Fp8Tensor:
 
     def t(self) -> Fp8Tensor:
         """The transpose, sharing storage (no requantization)."""
-        return Fp8Tensor(self.data.t(), self.scale_inv.t(), self.block[::-1], self.fmt)
+        return Fp8Tensor(self.data.t(), self.scale_inv.t(), self.block[::-1], self.fmt, self.pow2)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.float() * expand_scales(self.scale_inv, self.block, self.shape)).to(dtype)
+        """data x its block's scale, each product formed in FP32 (exact for power-of-two
+        scales), in the data's layout (a transposed view dequantizes to a transposed one)."""
+        x = fp8_to_float(self.data)
+        rows, cols = self.shape
+        br, bc = min(self.block[0], rows), min(self.block[1], cols)
+        if self.is_tensorwise:
+            x.mul_(self.scale_inv.reshape(()))
+        elif rows % br == 0 and cols % bc == 0:  # whole blocks: broadcast, nothing expanded
+            mb, kb = rows // br, cols // bc
+            x.unflatten(1, (kb, bc)).unflatten(0, (mb, br)).mul_(self.scale_inv.view(mb, 1, kb, 1))
+        else:
+            x.mul_(expand_scales(self.scale_inv, self.block, self.shape))
+        return x.to(dtype)
 
     def scale_e8m0(self) -> torch.Tensor:
         """The scales as E8M0 bytes (OCP MX): only valid for power-of-two scales."""
@@ -99,8 +112,33 @@ def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max |x| over each block of a 2-D tensor (zero-padded), (ceil(M/br), ceil(K/bc))."""
+    if _transposed_view(x):  # e.g. the re-tiling for a weight gradient: read x in place
+        return block_amax(x.t(), block[::-1]).t()
     padded, (mb, br, kb, bc) = _pad_to_blocks(x, block)
-    return padded.abs().view(mb, br, kb, bc).amax(dim=(1, 3))
+    blocks = padded.view(mb, br, kb, bc)
+    if mb == 1 and kb == 1:
+        return abs_max(blocks).view(1, 1)
+    # max |x| = max(max x, -min x): two reading passes, where abs() writes a copy first
+    # (0.62 against 1.40 ms for 1 x 128 tiles of 2048 x 1536 FP32). NaN propagates.
+    hi, lo = blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3))
+    return torch.maximum(hi, lo.neg_()).abs_()  # abs: an all-zero block's max is +0
+
+
+def _transposed_view(x: torch.Tensor) -> bool:
+    """Whether x is the transpose of a contiguous matrix (`m.t()`), not itself contiguous.
+
+    Quantizing such a view along its rows is quantizing the stored matrix along its columns:
+    the block shape flips and nothing is copied. A transposed copy of the high-precision
+    tensor costs ten times a straight read on CPU (7.2 against 0.7 ms for 2048 x 1536 BF16).
+    """
+    return x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous()
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim FP32 tensor, NaN if x holds one: one reading pass (min and max
+    together), where abs().amax() writes a copy of x first."""
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(hi, -lo).abs().float()  # abs: an all-zero tensor's max is +0
 
 
 def _pad_to_blocks(
@@ -119,14 +157,21 @@ def _pad_to_blocks(
 
 
 def quantize_blocks(
-    x: torch.Tensor, block: tuple[int, int], fmt: Fp8Format, scale: torch.Tensor
+    x: torch.Tensor,
+    block: tuple[int, int],
+    fmt: Fp8Format,
+    scale: torch.Tensor,
+    pow2: bool = False,
 ) -> Fp8Tensor:
-    """Quantize a 2-D tensor with the given per-block multipliers `scale` (mb, kb)."""
+    """Quantize a 2-D tensor with the given per-block multipliers `scale` (mb, kb); `pow2`
+    says the caller made every scale a power of two."""
+    if _transposed_view(x):
+        return quantize_blocks(x.t(), block[::-1], fmt, scale.t(), pow2).t()
     rows, cols = x.shape
     padded, (mb, br, kb, bc) = _pad_to_blocks(x, block)
     scaled = padded.view(mb, br, kb, bc) * scale.view(mb, 1, kb, 1)
-    data = cast_to_fp8(scaled.view(mb * br, kb * bc)[:rows, :cols], fmt)
-    return Fp8Tensor(data, (1.0 / scale).float(), (br, bc), fmt)
+    data = cast_to_fp8(scaled.view(mb * br, kb * bc)[:rows, :cols], fmt, overwrite=True)
+    return Fp8Tensor(data, (1.0 / scale).float(), (br, bc), fmt, pow2)
 
 
 def quantize_current(
@@ -134,7 +179,7 @@ def quantize_current(
 ) -> Fp8Tensor:
     """Scales from this tensor's own amax per block (current / rowwise / blockwise)."""
     scale = scale_from_amax(block_amax(x, block), fmt.max, eps, pow2)
-    return quantize_blocks(x, block, fmt, scale)
+    return quantize_blocks(x, block, fmt, scale, pow2)
 
 
 def quantize_mx(x: torch.Tensor, block_cols: int, fmt: Fp8Format, rounding: str) -> Fp8Tensor:
@@ -161,7 +206,7 @@ def quantize_mx(x: torch.Tensor, block_cols: int, fmt: Fp8Format, rounding: str)
     scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, float("nan")))
     # 1 / 2^-127 overflows FP32; an all-zero block quantizes to zeros whatever its multiplier.
     scale = torch.where(amax == 0, torch.ones_like(amax), 1.0 / scale_inv)
-    q = quantize_blocks(x, (1, block_cols), fmt, scale)
+    q = quantize_blocks(x, (1, block_cols), fmt, scale, pow2=True)
     q.scale_inv = scale_inv
     return q
 

@@ -72,6 +72,7 @@ import torch
 from hyperloom.engine.fp8.formats import check_format_choice, format_for
 from hyperloom.engine.fp8.quantize import (
     Fp8Tensor,
+    abs_max,
     quantize_blocks,
     quantize_current,
     quantize_mx,
@@ -253,7 +254,7 @@ def quantize_for(
             raise ValueError("delayed scaling needs the tensor's DelayedState (amax history)")
         scale = state.update_scale(recipe, fmt.max)
         q = quantize_blocks(x, (rows, cols), fmt, scale.view(1, 1))
-        amax = x.detach().abs().amax().float()
+        amax = abs_max(x)
         state.record(reduce_amax(amax) if reduce_amax is not None else amax)
         return q
     if isinstance(recipe, RowwiseScaling):
@@ -262,13 +263,13 @@ def quantize_for(
         # x holds a slice of K: each row's amax is the max over every shard's slice of it.
         amax = reduce_amax(x.detach().abs().amax(dim=1, keepdim=True).float())  # (rows, 1)
         scale = scale_from_amax(amax, fmt.max, recipe.amax_epsilon, recipe.power_2_scale)
-        return quantize_blocks(x, (1, cols), fmt, scale)
+        return quantize_blocks(x, (1, cols), fmt, scale, recipe.power_2_scale)
     if isinstance(recipe, CurrentScaling):
-        amax = x.detach().abs().amax().float().view(1, 1)
+        amax = abs_max(x).view(1, 1)
         if reduce_amax is not None:
             amax = reduce_amax(amax)
         scale = scale_from_amax(amax, fmt.max, recipe.amax_epsilon, recipe.power_2_scale)
-        return quantize_blocks(x, (rows, cols), fmt, scale)
+        return quantize_blocks(x, (rows, cols), fmt, scale, recipe.power_2_scale)
     if isinstance(recipe, BlockwiseScaling):
         b = recipe.block
         block = (b, b) if role == "weight" else (1, b)

@@ -712,14 +712,30 @@ def _fp8_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
     tensor-parallel shard to be whole scale blocks (hyperloom.parallel.tensor_parallel)."""
     m, fp8, tp = cfg.model, cfg.precision.fp8, cfg.parallel.tp
     block = {"blockwise": 128, "mxfp8": 32}.get(fp8)
-    if block is None or m.n_heads <= 0 or m.dim % m.n_heads:
+    if block is None or m.n_heads <= 0:
         return []
-    head_dim = m.dim // m.n_heads
-    widths = {
-        "model.dim (wq rows, wo columns)": m.dim,
-        "model.n_kv_heads * head_dim (wk, wv rows)": m.n_kv_heads * head_dim,
-        "model.ffn_dim (w1, w3 rows, w2 columns)": m.ffn_dim,
-    }
+    if m.family == "deepseek":  # MLA's heads and the SwiGLU widths that split over tp
+        q_rows = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        kv_rows = m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        wq = "wq_b" if m.q_lora_rank else "wq"
+        dense = m.ffn_dim if m.n_dense_layers or not m.n_routed_experts else 0
+        shared = m.n_shared_experts * m.moe_ffn_dim if m.n_routed_experts else 0
+        widths = {
+            f"model.n_heads * (qk_nope_head_dim + qk_rope_head_dim) ({wq} rows)": q_rows,
+            "model.n_heads * (qk_nope_head_dim + v_head_dim) (wkv_b rows)": kv_rows,
+            "model.n_heads * v_head_dim (wo columns)": m.n_heads * m.v_head_dim,
+            "model.ffn_dim (the dense layers' w1, w3 rows, w2 columns)": dense,
+            "model.n_shared_experts * model.moe_ffn_dim (the shared experts' width)": shared,
+        }
+    elif m.dim % m.n_heads:
+        return []  # reported elsewhere
+    else:
+        head_dim = m.dim // m.n_heads
+        widths = {
+            "model.dim (wq rows, wo columns)": m.dim,
+            "model.n_kv_heads * head_dim (wk, wv rows)": m.n_kv_heads * head_dim,
+            "model.ffn_dim (w1, w3 rows, w2 columns)": m.ffn_dim,
+        }
     return [
         f"precision.fp8 = '{fp8}' with parallel.tp = {tp}: {name} = {width} splits into "
         f"shards of {width / tp:.4g} features, not a multiple of the {block}-element scale "
@@ -822,7 +838,7 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
 
 def _deepseek_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
     """tp > 1 for the DeepSeek family (hyperloom.models.deepseek.plan): heads and the shared
-    experts' width split; no sequence parallelism or FP8 for it yet."""
+    experts' width split; no sequence parallelism for it yet."""
     m, par, tp = cfg.model, cfg.parallel, cfg.parallel.tp
     out = []
     shared = m.n_shared_experts * m.moe_ffn_dim
@@ -835,11 +851,6 @@ def _deepseek_tensor_parallel_problems(cfg: JobConfig) -> list[str]:
         out.append(
             "parallel.sp = true with model.family = 'deepseek' is not built yet: the MoE "
             "router, balance losses and MLA would see a slice of each sequence; use sp = false"
-        )
-    if cfg.precision.fp8 != "none":
-        out.append(
-            f"precision.fp8 = '{cfg.precision.fp8}' with parallel.tp = {tp} for the deepseek "
-            f"family is not built yet; use tp = 1 (dp, ep, pp) or fp8 = 'none'"
         )
     return out
 

@@ -11,9 +11,15 @@ A model family describes tensor parallelism as data — a plan mapping module pa
 - "vocab_embedding" / "vocab_head": vocabulary-parallel embedding and output head;
 - "sp_norm": a norm that runs on a sequence slice under sequence parallelism, so its
   weight gradient must be summed over the tensor-parallel group;
-- "tp_partial_grad": a module that runs replicated inside a "tp_input" block but whose output
-  feeds only this rank's heads (MLA's low-rank projections and latent norms): each rank's
-  weight gradient is a partial sum, so it is summed over the group.
+- "colwise_tp_input": a column-parallel linear that makes its own input whole (a "tp_input"
+  on the linear alone, for a block whose other inputs need no sum: MLA's wq without q_lora);
+- "tp_output_grad": a replicated module whose output feeds only this rank's shards (MLA's
+  low-rank down-projections): its output gradient is summed over the group before its
+  backward, so its weight and input gradients come out whole on every rank;
+- "tp_partial_grad": a module that runs replicated but whose output feeds only this rank's
+  heads and whose output gradient is not summed (MLA's latent norms, between a
+  "tp_output_grad" down-projection and the column-parallel up-projection): each rank's
+  weight gradient is a partial sum, so it is summed over the group after backward.
 
 Data parallelism then wraps the result:
 - zero = 1: our ZeRO-1 distributed optimizer (`zero1.py`): gradients reduce-scattered once
@@ -51,6 +57,8 @@ STYLES = (
     "colwise",
     "rowwise",
     "tp_input",
+    "colwise_tp_input",
+    "tp_output_grad",
     "tp_partial_grad",
     "vocab_embedding",
     "vocab_head",
@@ -112,6 +120,12 @@ def apply_tensor_parallel(
                 _set_submodule(model, path, new)
             elif style == "tp_input":
                 tpl.prepare_tp_input(old, group, sequence_parallel)
+            elif style == "colwise_tp_input":
+                new = tpl.ColumnParallelLinear(old, group)
+                tpl.prepare_tp_input(new, group, sequence_parallel)
+                _set_submodule(model, path, new)
+            elif style == "tp_output_grad":
+                tpl.prepare_tp_output_grad(old, group)
             elif style == "tp_partial_grad" or (style == "sp_norm" and sequence_parallel):
                 sp_params.extend(f"{path}.{n}" for n, _ in old.named_parameters())
     return sp_params

@@ -233,6 +233,22 @@ def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
     module.register_forward_pre_hook(hook)
 
 
+def prepare_tp_output_grad(module: nn.Module, group) -> None:
+    """Sum the gradient of `module`'s output over the group before `module`'s backward runs:
+    the identity forward, an all-reduce backward (Megatron's "copy to tensor-parallel
+    region", placed after a replicated module instead of before a column-parallel one).
+
+    For a replicated module whose output feeds only this rank's shards (MLA's low-rank
+    down-projections): every rank's backward then sees the whole output gradient, so the
+    module's weight gradient is whole on every rank, its input gradient needs no further
+    sum, and an FP8 quantization of that output gradient is the one process's."""
+
+    def hook(_module, _args, out):
+        return copy_to_tp(out, group)
+
+    module.register_forward_hook(hook)
+
+
 class RowParallelLinear(_TPLinear):
     """y = Σ_i x_i W_iᵀ over the group, W_i this rank's columns (input features split).
     Under FP8 the input and the weight are the sharded tensors; FP8 GEMM outputs are

@@ -186,10 +186,15 @@ def layer_phase(
             + collective_time("reduce_scatter", t, buf, links.tp)
         )
         regather = 2 * collective_time("all_gather", t, buf, links.tp) if rt.sharded_save else 0
+        grad_pass = tp_pass
     else:
         tp_pass, regather = 2 * collective_time("all_reduce", t, buf, links.tp), 0.0
+        grads = layer.tp_grad_buffers
+        grad_pass = (
+            sum(collective_time("all_reduce", t, b, links.tp) for b in grads) if grads else tp_pass
+        )
     tp_f = _exposed(tp_pass, gemm, rt.tp_overlap)
-    tp_b = _exposed(tp_pass, gemm, rt.tp_overlap)
+    tp_b = _exposed(grad_pass, gemm, rt.tp_overlap)
     tp_w = _exposed(regather, gemm, rt.tp_overlap)
     cp_gather = collective_time("all_gather", s.cp, layer.cp_buffer, links.cp)
     cp_f = _exposed(cp_gather, attn_f, rt.cp_overlap)

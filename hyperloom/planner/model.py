@@ -298,6 +298,9 @@ class Layer:
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
+    # Without sp, the backward's TP all-reduces when they are not two of tp_buffer: DeepSeek's
+    # MLA sums its latents' gradients (q_lora, kv_lora + rope columns), not the block input's.
+    tp_grad_buffers: tuple[float, ...] = ()
 
     @property
     def gemm_flops(self) -> float:
@@ -531,6 +534,10 @@ def _build_deepseek_layer(
         seq=seq,
         moe_fraction=wm,
         dispatch_bytes=dispatch,
+        # hyperloom.models.deepseek.plan: wq_a's and wkv_a's output gradients (or wq's input
+        # gradient without q_lora), then the FFN block's input gradient
+        tp_grad_buffers=(2.0 * tokens * ql if ql else 2.0 * x_full, 2.0 * tokens * (kvl + rope))
+        + (2.0 * x_full,),
     )
 
 

@@ -1,7 +1,9 @@
 """torchrun worker: FP8 training with tensor parallelism against one process, in one launch.
 
 Usage: torchrun --nproc-per-node 2 fp8_tp_worker.py OUT.json CASE [CASE ...], each CASE
-`recipe:sp` (e.g. `blockwise:1`). For each case every rank builds the tp = 2 model with
+`recipe:sp` (e.g. `blockwise:1`) for the Llama model, or `recipe:0:deepseek` for the MoE
+preset's shape (MLA, a dense and an MoE layer, one MTP module; the loss is the model's own,
+main + MTP + balance). For each case every rank builds the tp = 2 model with
 `parallelize` (FP8 linears converted, then made tensor-parallel) and, on the side, the whole
 FP8 model on one device with the same seed; both take STEPS SGD steps (FP32 master weights,
 gradients clipped to 1) on the same batches. SGD, not Adam: Adam's first updates are about
@@ -29,13 +31,17 @@ from hyperloom.parallel.state import _full
 
 # Every tensor-parallel shard a whole number of 128-wide blocks (blockwise needs it).
 MODEL = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=128)
+# moe-tiny's MLA heads split into shards of 96 (q), 128 (kv) and 64 (wo) features: whole
+# 32-wide MX blocks, not 128-wide ones; the vocabulary as small as Llama's above.
+DEEPSEEK = dict(preset="moe-tiny", n_layers=2, vocab_size=128, mtp_depth=1)
 SEQ, MBS, STEPS, LR = 16, 2, int(os.environ.get("FP8_TP_STEPS", 3)), 0.5
 
 
 def reference_model(cfg, device) -> torch.nn.Module:
     """The whole FP8 model of `cfg` on one device, initialised from the job's seed."""
     ref = build_model(cfg.model)
-    convert_to_fp8(ref, recipe_from_name(cfg.precision.fp8), keep=cfg.precision.fp8_keep)
+    if cfg.precision.fp8 != "none":  # "none": the same comparison without FP8, a control
+        convert_to_fp8(ref, recipe_from_name(cfg.precision.fp8), keep=cfg.precision.fp8_keep)
     ref.to_empty(device=device)
     ref.init_weights(cfg.train.seed)
     reset_fp8_state(ref)
@@ -43,9 +49,10 @@ def reference_model(cfg, device) -> torch.nn.Module:
 
 
 def run_case(case: str, acc) -> dict:
-    recipe, sp = case.split(":")[0], bool(int(case.split(":")[1]))
+    recipe, sp, *fam = case.split(":")
+    sp, deepseek = bool(int(sp)), fam == ["deepseek"]
     raw = {
-        "model": {**MODEL, "max_seq_len": SEQ},
+        "model": {**(DEEPSEEK if deepseek else MODEL), "max_seq_len": SEQ},
         "parallel": {"tp": 2, "sp": sp},
         "precision": {"dtype": "fp32", "fp8": recipe},
         "train": {"micro_batch_size": MBS, "device": "cpu", "lr": 1e-2, "weight_decay": 0.1},
@@ -60,22 +67,32 @@ def run_case(case: str, acc) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
 
     gen = torch.Generator().manual_seed(1234)
-    fp8_tp = [n for n, m in fp8_modules(pm.inner) if hasattr(m, "sharded_roles")]
-    out = {"case": case, "fp8_tp_layers": len(fp8_tp), "loss": [], "abs_loss": []}
+    fp8 = list(fp8_modules(pm.inner))
+    fp8_tp = [n for n, m in fp8 if hasattr(m, "sharded_roles")]
+    out = {"case": case, "fp8_tp_layers": len(fp8_tp), "fp8_layers": len(fp8), "loss": []}
+    out["abs_loss"] = []
     for step in range(STEPS):
-        tokens = torch.randint(0, MODEL["vocab_size"], (MBS, SEQ + 1), generator=gen)
+        tokens = torch.randint(0, raw["model"]["vocab_size"], (MBS, SEQ + 1), generator=gen)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        ref_loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        if deepseek:  # the model's loss: main + MTP + balance (vocab-parallel under tp)
+            ref_loss = ref.train()(x, labels=y)
+        else:
+            ref_loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
         ref_loss.backward()
-        loss = pm.loss(pm.module(x), y)
+        loss = pm.module(x, labels=y) if deepseek else pm.loss(pm.module(x), y)
         loss.backward()
         pm.finish_grads()
         if step == 0:
             ref_grads, worst = dict(ref.named_parameters()), torch.zeros(())
             for name, p in pm.inner.named_parameters():
+                if p.grad is None:  # not trained (e.g. DeepSeek's balancing biases)
+                    assert ref_grads[name].grad is None, name
+                    continue
                 g = _full(p.grad, getattr(p, "shard_spec", None), pm.tp_group)
                 r = ref_grads[name].grad
-                worst = torch.maximum(worst, (g - r).norm() / r.norm())
+                # clamp: delayed scaling's first step (unit scales) may flush a small
+                # gradient to zeros on both sides
+                worst = torch.maximum(worst, (g - r).norm() / r.norm().clamp(min=1e-30))
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             out["grad"] = worst.item()
         pm.clip_grad_norm(1.0)

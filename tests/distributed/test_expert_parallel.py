@@ -152,9 +152,10 @@ def test_moe_pipeline_trains_like_one_process(tiny_job_args, tmp_path, nproc, la
     ids=["tp2", "tp2-dp2-ep2"],
 )
 def test_moe_tensor_parallel_trains_like_one_process(tiny_job_args, tmp_path, nproc, layout):
-    """MLA split by heads (its low-rank projections' partial gradients summed over tp), the
-    dense layers and shared experts split like Llama's SwiGLU, the vocab-parallel head for the
-    main and the MTP loss, the routed experts replicated over tp (and split over ep)."""
+    """MLA split by heads (the low-rank projections' output gradients summed over tp before
+    their backward), the dense layers and shared experts split like Llama's SwiGLU, the
+    vocab-parallel head for the main and the MTP loss, the routed experts replicated over tp
+    (and split over ep). FP8 with tp is checked in test_fp8_tensor_parallel.py."""
     one = _train(tiny_job_args, tmp_path / "one", 1, train__micro_batch_size=4)
     tp = _train(tiny_job_args, tmp_path / "tp", nproc, **layout)
     assert_same_training(one, tp)

@@ -19,6 +19,24 @@ its histories must be bitwise equal across the tp ranks. Current scaling shares 
 boundary risk, rowwise, blockwise and MXFP8 (power-of-two scales) mostly do not. Rowwise
 measured: losses equal, first-step gradients <= 2e-7 (with exact, non-power-of-two row
 scales the gradients were 2% apart after one step).
+
+The DeepSeek family (`recipe:0:deepseek`: MLA, a dense and an MoE layer, an MTP module,
+vocabulary 128): the MLA down-projections run replicated and sum their output gradient over
+tp before their backward, so their FP8 quantization of it is the whole tensor's, as in one
+process. First-step gradients measured <= 2.2e-7 for delayed, rowwise and MXFP8. With the
+partial weight gradients summed after backward instead (the plan before), each rank
+quantized its partial output gradient: first-step gradients 6.9e-2 (MXFP8, rowwise) from
+one process. Current scaling is not among the DeepSeek cases: its per-expert scales are not
+powers of two, and the routed experts' inputs (1e-7 apart after the vocab-parallel and
+tensor-parallel sums) sit close enough to a rounding boundary that one launch measured
+first-step gradients 3.8e-7 from one process and another, the same code under pytest, 0.14 --
+as large as the old plan's error, so the case cannot tell a bug from a flip. Later steps drift more than Llama's: after one SGD step at lr 0.5 the weights are
+~1e-7 apart and, with 27 FP8 layers, some weight lands on the other side of a rounding
+boundary -- losses measured 2-3e-6 at step 2 and 3.5-6.7e-4 at step 3; the
+same run without FP8 ("none", the control) stays <= 1.5e-7. DeepSeek cases are held to 1e-6
+on the first step's gradients and loss, 1e-5 on step 2's loss and 1e-3 after; delayed
+scaling's histories equal across ranks, within 10% of one process's (measured 5.6%: some
+expert's amax after the step-3 drift).
 """
 
 from __future__ import annotations
@@ -30,7 +48,14 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("fp8_tp_worker.py")
 RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
-CASES = [f"{r}:{sp}" for r in RECIPES for sp in (0, 1)]
+# moe-tiny's MLA shards are whole 32-wide blocks, not 128-wide ones: no blockwise for it here.
+# No current scaling either (see the module doc).
+DEEPSEEK = ("none", "delayed", "rowwise", "mxfp8")
+CASES = [f"{r}:{sp}" for r in RECIPES for sp in (0, 1)] + [f"{r}:0:deepseek" for r in DEEPSEEK]
+# Per model, the tensor-parallel FP8 linears and all FP8 layers (DeepSeek's also: wq_a and
+# wkv_a replicated, and the routed experts, per layer and MTP block).
+FP8_TP_LAYERS = {"llama": 14, "deepseek": 18}
+FP8_LAYERS = {"llama": 14, "deepseek": 27}
 
 
 def test_fp8_tp2_equals_one_process(tmp_path):
@@ -44,14 +69,23 @@ def test_fp8_tp2_equals_one_process(tmp_path):
     assert [r["case"] for r in results] == CASES
     bad = []
     for r in results:
-        delayed = r["case"].startswith("delayed")
-        strict = r["loss"][:2] if delayed else r["loss"]
+        recipe, deepseek = r["case"].split(":")[0], r["case"].endswith(":deepseek")
+        delayed = recipe == "delayed"
+        if deepseek:  # wq_b, wkv_b, wo per layer and MTP block; w1, w2, w3 dense or shared
+            family = "deepseek"
+            limits = [1e-6, 1e-6, 1e-6] if recipe == "none" else [1e-6, 1e-5, 1e-3]
+        else:  # 2 layers x (wq, wk, wv, wo, w1, w2, w3)
+            family = "llama"
+            limits = [1e-6, 1e-6, 1e-3] if delayed else [1e-6, 1e-6, 1e-6]
+        fp8 = recipe != "none"
+        layers = (FP8_TP_LAYERS[family] * fp8, FP8_LAYERS[family] * fp8)
+        loss_ok = all(v <= limits[min(i, 2)] for i, v in enumerate(r["loss"]))
         if (
-            r["fp8_tp_layers"] != 14  # 2 layers x (wq, wk, wv, wo, w1, w2, w3) stay FP8
-            or max(strict + [r["grad"]]) > 1e-6
-            or max(r["loss"]) > 1e-3
+            (r["fp8_tp_layers"], r["fp8_layers"]) != layers
+            or not loss_ok
+            or r["grad"] > 1e-6
             or (delayed and not r["history_equal_across_ranks"])
-            or r.get("history_vs_single", 0.0) > 1e-3
+            or r.get("history_vs_single", 0.0) > (0.1 if deepseek else 1e-3)
         ):
             bad.append(r)
     assert not bad, json.dumps(bad, indent=1)

@@ -132,7 +132,10 @@ def test_param_counts(name):
             ["--parallel.tp", "2", "--parallel.sp", "true"],
             "parallel.sp = true with model.family = 'deepseek' is not built yet",
         ),
-        (["--parallel.tp", "2", "--precision.fp8", "current"], "for the deepseek family is not"),
+        (
+            ["--parallel.tp", "2", "--precision.fp8", "blockwise"],
+            "(qk_nope_head_dim + qk_rope_head_dim) (wq_b rows) = 192 splits into shards of 96",
+        ),
         (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
         (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp (2)"),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),

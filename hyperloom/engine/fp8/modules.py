@@ -57,9 +57,11 @@ from torch import nn
 from hyperloom.engine.fp8.formats import ROLES
 from hyperloom.engine.fp8.gemm import fp8_gemm
 from hyperloom.engine.fp8.recipes import (
+    BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     DelayedState,
+    MXFP8Scaling,
     Recipe,
     RowwiseScaling,
     observe_empty,
@@ -440,6 +442,81 @@ class _IdleGroupFn(torch.autograd.Function):
         return None, None, None, None
 
 
+def _grouped_path(recipe: Recipe | None, bias, fp8_activation: bool) -> bool:
+    """Whether `fp8_grouped_linear` can run all groups as one grouped GEMM per pass.
+
+    The recipes whose activation scales are per token (1 x 128 tiles, 1 x 32 MX blocks, one
+    per row), so that quantizing every group's tokens at once is quantizing each group's,
+    and whose scales are powers of two, so that the dequantized operands are exact in the
+    GEMM's dtype: blockwise, MXFP8, rowwise (power-of-two by default). Per-tensor recipes
+    (current, delayed) take one scale per expert and stay on the per-group path."""
+    pow2 = isinstance(recipe, MXFP8Scaling) or (
+        isinstance(recipe, (BlockwiseScaling, RowwiseScaling)) and recipe.power_2_scale
+    )
+    return pow2 and bias is None and not fp8_activation and hasattr(torch, "_grouped_mm")
+
+
+def _expert_weights(w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
+    """Every expert's (rows, K) matrix of `w` (E, rows, K) quantized as its own weight and
+    dequantized to `dtype`, in one quantization: the experts are stacked with their rows
+    padded to a whole number of scale blocks, so no block straddles two experts (zero rows
+    raise no amax), then cropped."""
+    e, rows, k = w.shape
+    br = min(recipe.block, rows) if isinstance(recipe, BlockwiseScaling) else 1
+    pad = -rows % br
+    stacked = F.pad(w, (0, 0, 0, pad)) if pad else w
+    q = _q(stacked.reshape(e * (rows + pad), k), recipe, "weight")
+    return q.dequantize(dtype).view(e, rows + pad, k)[:, :rows]
+
+
+class _Fp8GroupedFn(torch.autograd.Function):
+    """All groups of `fp8_grouped_linear` at once (see `_grouped_path`): per pass one
+    quantization of the tokens, one of the stacked expert weights and one grouped GEMM
+    (`torch._grouped_mm` over the dequantized operands: BF16 in, FP32 accumulation, one
+    rounding, as DeepGEMM's grouped contiguous FP8 GEMM returns BF16), instead of a
+    quantization and a GEMM per expert. The weight gradient contracts over each group's own
+    tokens, so its operands are re-tiled group by group, as the per-group path does.
+    Same quantized values as the per-group path; only the GEMMs' FP32 summation order may
+    differ."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sizes: list[int], recipe: Recipe, out_dtype: torch.dtype):
+        gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+        with _no_autocast(x.device):
+            offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+            xq = _q(x, recipe, "input").dequantize(gemm_dtype)  # (M, K), per-token scales
+            w = _expert_weights(weight, recipe, gemm_dtype)  # (E, N, K)
+            y = torch._grouped_mm(xq, w.transpose(-2, -1), offs=offs)  # (M, N)
+        ctx.save_for_backward(x, weight, offs)
+        ctx.sizes, ctx.recipe, ctx.gemm_dtype = sizes, recipe, gemm_dtype
+        ctx.w_fwd = w if isinstance(recipe, BlockwiseScaling) else None  # 128 x 128: transposes
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offs = ctx.saved_tensors
+        recipe, dt = ctx.recipe, ctx.gemm_dtype
+        dx = dw = None
+        with _no_autocast(dy.device):
+            dq = _q(dy, recipe, "grad_output")  # (M, N), tiles along N
+            if ctx.needs_input_grad[0]:
+                wt = ctx.w_fwd
+                if wt is None:  # scales along K do not survive the transpose: along N now
+                    wt = _expert_weights(weight.transpose(-2, -1), recipe, dt).transpose(-2, -1)
+                dx = torch._grouped_mm(dq.dequantize(dt), wt, offs=offs).to(x.dtype)  # (M, K)
+            if ctx.needs_input_grad[1]:
+                grads = []
+                for xs, dys in zip(x.split(ctx.sizes), dy.split(ctx.sizes), strict=True):
+                    if xs.shape[0] == 0:  # an idle expert: no tokens, a zero gradient
+                        grads.append(weight.new_zeros(weight.shape[1:], dtype=dt))
+                        continue
+                    dyt = _q(dys.t(), recipe, "grad_output")  # (N, m), tiles along tokens
+                    xt = _q(xs.t(), recipe, "input")  # (K, m)
+                    grads.append(fp8_gemm(dyt, xt, dt))  # (N, K)
+                dw = torch.stack(grads).to(weight.dtype)
+        return dx, dw, None, None, None
+
+
 def fp8_grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -448,11 +525,16 @@ def fp8_grouped_linear(
     bias: torch.Tensor | None = None,
     states: list[dict[str, DelayedState | None]] | None = None,
     fp8_activation: bool = False,
+    grouped: bool = True,
 ) -> torch.Tensor:
     """Per-group y_g = x_g W_gᵀ (+ b_g) for tokens sorted by group: x (tokens, in), weight
     (groups, out, in) -> (tokens, out); `recipe` None runs plain `F.linear`s.
 
-    Each non-empty group is one FP8 linear with its own scales: per-tensor recipes scale
+    Blockwise, MXFP8 and rowwise run all groups at once, one grouped GEMM per pass
+    (`_Fp8GroupedFn`), with the quantized values of one FP8 linear per group; `grouped=False`
+    forces the per-group path, which per-tensor recipes (current, delayed) always take.
+
+    Each non-empty group is quantized as one FP8 linear with its own scales: per-tensor recipes scale
     each expert's tokens and weight on their own (one outlier token moves only its
     expert's scale), blockwise uses 1 x 128 token tiles and a 128 x 128 grid per expert's
     weight, as DeepGEMM's grouped contiguous GEMM does. An empty group (an idle expert)
@@ -466,6 +548,8 @@ def fp8_grouped_linear(
             f"group_sizes {sizes} must have {weight.shape[0]} entries summing to the "
             f"{x.shape[0]} tokens of x"
         )
+    if grouped and _grouped_path(recipe, bias, fp8_activation) and x.shape[0] > 0:
+        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, _out_dtype(x))
     outs = []
     for g, xs in enumerate(x.split(sizes)):
         w, b = weight[g], None if bias is None else bias[g]

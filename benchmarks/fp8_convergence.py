@@ -407,8 +407,8 @@ def main() -> None:
         late = [(s, v) for s, v in run["val_loss"] if s >= args.steps // 2 and s in base_val]
         return max((abs(100 * (v / base_val[s] - 1)) for s, v in late), default=0.0)
 
-    out["bf16_repeat_final_drift_pct"] = max(
-        (abs(r["diff_vs_bf16_pct"]) for r in repeats), default=None
+    out["bf16_repeat_final_drift_pct"] = max(  # None when BF16 itself is not among the runs
+        (abs(d) for r in repeats if (d := r["diff_vs_bf16_pct"]) is not None), default=None
     )
     floor = max((drift(r) for r in repeats), default=None)
     out["bf16_noise_floor_pct"] = floor  # a BF16 repeat's largest drift over the second half

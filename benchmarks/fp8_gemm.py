@@ -3,11 +3,13 @@
 For each shape and contender: the GEMM alone on operands quantized beforehand (what a kernel
 costs), quantize + GEMM (what a training step pays: per-tensor recipes one amax pass, block
 recipes a blocked amax, all a cast), and the relative error of the result against an FP64
-product of the unquantized operands. FP8 per-tensor and rowwise GEMMs go through
-`torch._scaled_mm`; blockwise (1x128 / 128x128, FP32 promotion every 128) and MXFP8 (1x32,
-E8M0) are emulated (`hyperloom.engine.fp8.gemm`) on a CPU, so their time says what the
-emulation costs here, not what FP8 hardware would do. The delayed recipe casts with a stored
-scale; its GEMM is the per-tensor one.
+product of the unquantized operands. Output BF16, as a training step asks. On a GPU the
+per-tensor and rowwise GEMMs go through `torch._scaled_mm`; on a CPU every FP8 GEMM is
+emulated (`hyperloom.engine.fp8.gemm`): operands dequantized, then one GEMM -- in BF16 for
+power-of-two scales (rowwise, blockwise 1x128 / 128x128, MXFP8 1x32 E8M0; exact there), in
+FP32 for the others (current, delayed) -- so the times say what the emulation costs here,
+not what FP8 hardware would do. The delayed recipe casts with a stored scale; its GEMM is
+the per-tensor one.
 
 Each timing is the median of `--repeats` runs after one warm-up, bracketed by a device
 synchronize; the CPU time other processes took meanwhile is recorded (`machine.cpu_seconds`)

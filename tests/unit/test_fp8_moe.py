@@ -329,8 +329,10 @@ def test_grouped_gemm_path_equals_one_fp8_linear_per_group(monkeypatch, name, bf
     GEMMs that differ at most in FP32 summation order (measured: outputs and weight
     gradients bit for bit, input gradients 7e-10 apart in FP32, equal under BF16)."""
     from hyperloom.engine.fp8 import fp8_grouped_linear
+    from hyperloom.engine.fp8.modules import grouped_mm_runs
 
-    calls = []
+    assert grouped_mm_runs("cpu", torch.bfloat16) and grouped_mm_runs("cpu", torch.float32)
+    calls = []  # probed above, so what is counted below is the layer's own GEMMs
     grouped_mm = torch._grouped_mm
 
     def counting(*args, **kwargs):

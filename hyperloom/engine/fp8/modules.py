@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -453,7 +454,24 @@ def _grouped_path(recipe: Recipe | None, bias, fp8_activation: bool) -> bool:
     pow2 = isinstance(recipe, MXFP8Scaling) or (
         isinstance(recipe, (BlockwiseScaling, RowwiseScaling)) and recipe.power_2_scale
     )
-    return pow2 and bias is None and not fp8_activation and hasattr(torch, "_grouped_mm")
+    return pow2 and bias is None and not fp8_activation
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on this kind of device for `dtype` (probed once per
+    kind: CUDA builds have it only for recent GPUs). Ones, not random numbers: probing must
+    not move the global RNG."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 16, device=device_type, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(x, w, offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def _expert_weights(w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
@@ -548,8 +566,15 @@ def fp8_grouped_linear(
             f"group_sizes {sizes} must have {weight.shape[0]} entries summing to the "
             f"{x.shape[0]} tokens of x"
         )
-    if grouped and _grouped_path(recipe, bias, fp8_activation) and x.shape[0] > 0:
-        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, _out_dtype(x))
+    out_dtype = _out_dtype(x)
+    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    if (
+        grouped
+        and x.shape[0] > 0
+        and _grouped_path(recipe, bias, fp8_activation)
+        and grouped_mm_runs(x.device.type, gemm_dtype)
+    ):
+        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, out_dtype)
     outs = []
     for g, xs in enumerate(x.split(sizes)):
         w, b = weight[g], None if bias is None else bias[g]

@@ -498,8 +498,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
     differ."""
 
     @staticmethod
-    def forward(ctx, x, weight, sizes: list[int], recipe: Recipe, out_dtype: torch.dtype):
-        gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    def forward(ctx, x, weight, sizes: list[int], recipe: Recipe, out_dtype, gemm_dtype):
         with _no_autocast(x.device):
             offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
             xq = _q(x, recipe, "input").dequantize(gemm_dtype)  # (M, K), per-token scales
@@ -532,7 +531,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                     xt = _q(xs.t(), recipe, "input")  # (K, m)
                     grads.append(fp8_gemm(dyt, xt, dt))  # (N, K)
                 dw = torch.stack(grads).to(weight.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def fp8_grouped_linear(
@@ -574,7 +573,7 @@ def fp8_grouped_linear(
         and _grouped_path(recipe, bias, fp8_activation)
         and grouped_mm_runs(x.device.type, gemm_dtype)
     ):
-        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, out_dtype)
+        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, out_dtype, gemm_dtype)
     outs = []
     for g, xs in enumerate(x.split(sizes)):
         w, b = weight[g], None if bias is None else bias[g]

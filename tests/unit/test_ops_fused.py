@@ -138,6 +138,16 @@ def test_attention(dtype, heads, kv_heads, seq, head_dim):
     assert_same(fused, ops.attention_reference, [q, k, v], dtype)
 
 
+def test_attention_reference_stays_float32_under_autocast():
+    # The yardstick must not round its scores to BF16 because the caller's autocast is on.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).bfloat16() for _ in range(3))
+    plain = ops.attention_reference(q, k[:, :2], v[:, :2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = ops.attention_reference(q, k[:, :2], v[:, :2])
+    assert torch.equal(autocast, plain)
+
+
 def test_sdpa_reports_a_backend():
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
     backends = ops.sdpa_backends(q, k, k)

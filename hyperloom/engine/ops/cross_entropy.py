@@ -30,13 +30,12 @@ the softmax arithmetic in float32, ∂W accumulates in float32.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from hyperloom.engine.ops.kernels import check_impl, kernel
+from hyperloom.engine.ops.kernels import autocast_off, check_impl, kernel
 
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "max" | "sum") -> reduced
 
@@ -140,13 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = lab != ignore_index
         n_valid = valid.sum().clamp(min=1).float()
         scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=h.device)
-        dev = h.device.type
-        no_autocast = (
-            torch.autocast(dev, enabled=False)
-            if torch.amp.is_autocast_available(dev)
-            else contextlib.nullcontext()
-        )
-        with no_autocast:
+        with autocast_off(h.device):
             hc, wc = h.to(cdt), weight.to(cdt)
             grad_h = torch.empty_like(h) if need_grad and hidden.requires_grad else None
             grad_w = None

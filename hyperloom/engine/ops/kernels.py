@@ -20,6 +20,7 @@ the changed dimension dynamic (torch.compile's default `dynamic=None`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -35,6 +36,15 @@ IMPLS = ("reference", "fused", "fused_eager")
 def compile_allowed() -> bool:
     """False when HYPERLOOM_OPS_COMPILE=0 (read on every call, so tests can flip it)."""
     return os.environ.get("HYPERLOOM_OPS_COMPILE", "1") != "0"
+
+
+def autocast_off(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled on `device`'s type (a no-op where the device type has
+    no autocast): the ops' own dtype decisions then hold inside it."""
+    dev = torch.device(device).type
+    if torch.amp.is_autocast_available(dev):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
 
 
 def check_impl(impl: str) -> None:

@@ -139,19 +139,34 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def _hp_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ bᵀ in `dtype` (the autocast dtype: what a BF16 layer's GEMM does), for the GEMMs
+    `override_linear_precision` keeps out of FP8."""
+    return a.to(dtype) @ b.to(dtype).t()
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):
         with _no_autocast(x.device):
             x2d = x.reshape(-1, x.shape[-1])  # (M, K)
-            red = plan.reduce_amax
+            red, recipe = plan.reduce_amax, plan.recipe
+            hp = {g: recipe.high_precision(g) for g in ("fprop", "dgrad", "wgrad")}
             # Rowwise scales span K: reduced only when K is sharded (the input is then a
             # shard too), never for a weight sharded along N (column-parallel).
-            k_whole = isinstance(plan.recipe, RowwiseScaling) and red["input"] is None
+            k_whole = isinstance(recipe, RowwiseScaling) and red["input"] is None
             red_w = None if k_whole else red["weight"]
-            qx = _q(x2d, plan.recipe, "input", plan.states["input"], red["input"])
-            qw = _q(weight, plan.recipe, "weight", plan.states["weight"], red_w)
-            if bias is None:
+            # Quantized here whenever an FP8 GEMM uses them (also under an override of the
+            # forward GEMM), so delayed scaling records its amaxes at the usual point.
+            qx = qw = None
+            if not (hp["fprop"] and hp["wgrad"]):
+                qx = _q(x2d, recipe, "input", plan.states["input"], red["input"])
+            if not (hp["fprop"] and hp["dgrad"]):
+                qw = _q(weight, recipe, "weight", plan.states["weight"], red_w)
+            if hp["fprop"]:
+                y = _hp_gemm(x2d, weight, plan.out_dtype)
+                y = y if bias is None else y.float() + bias.float()
+            elif bias is None:
                 y = fp8_gemm(qx, qw, plan.out_dtype)  # (M, N)
             else:
                 y = fp8_gemm(qx, qw) + bias.float()
@@ -159,7 +174,11 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         leaves = weight.is_leaf and (bias is None or bias.is_leaf)
         ctx.params = (weight, bias) if plan.defer is not None and leaves else None
-        keep_fp8 = qx.transposable or plan.fp8_activation
+        # A high-precision weight-gradient GEMM wants the activation as it came (unless FP8
+        # storage of activations was asked for: then from the FP8 copy).
+        keep_fp8 = qx is not None and (
+            plan.fp8_activation or (qx.transposable and not hp["wgrad"])
+        )
         ctx.qx = qx if keep_fp8 else None
         ctx.save_for_backward(weight, None if keep_fp8 else x2d)
         return y.to(plan.out_dtype).view(*x.shape[:-1], weight.shape[0])
@@ -169,27 +188,36 @@ class _Fp8LinearFn(torch.autograd.Function):
         weight, x2d = ctx.saved_tensors
         plan, qw, qx = ctx.plan, ctx.qw, ctx.qx
         dx = dw = db = None
+        recipe, w_dtype = plan.recipe, weight.dtype
+        hp_dgrad, hp_wgrad = recipe.high_precision("dgrad"), recipe.high_precision("wgrad")
         with _no_autocast(dy.device):
             dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
             red = plan.reduce_amax["grad_output"]
-            qdy = _q(dy2d, plan.recipe, "grad_output", plan.states["grad_output"], red)
-            if ctx.needs_input_grad[0]:  # Wᵀ along N: sharded with grad_output (rowwise)
-                wt = qw.t() if qw.transposable else _q(weight.t(), plan.recipe, "weight", None, red)
+            qdy = None
+            if not (hp_dgrad and hp_wgrad):
+                qdy = _q(dy2d, recipe, "grad_output", plan.states["grad_output"], red)
+            if ctx.needs_input_grad[0] and hp_dgrad:
+                dx = _hp_gemm(dy2d, weight.t(), plan.out_dtype)
+                dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
+            elif ctx.needs_input_grad[0]:  # Wᵀ along N: sharded with grad_output (rowwise)
+                wt = qw.t() if qw.transposable else _q(weight.t(), recipe, "weight", None, red)
                 dx = fp8_gemm(qdy, wt, plan.out_dtype).to(ctx.x_dtype).view(ctx.x_shape)
         want_w = ctx.needs_input_grad[1]
         want_b = ctx.has_bias and ctx.needs_input_grad[2]
-        recipe, w_dtype = plan.recipe, weight.dtype
 
         def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
             gw = gb = None
             with _no_autocast(dy2d.device):
-                if want_w:
+                if want_w and hp_wgrad:
+                    x_hp = qx.dequantize() if qx is not None else x2d
+                    gw = _hp_gemm(dy2d.t(), x_hp.t(), plan.out_dtype).to(w_dtype)  # (N, K)
+                elif want_w:
                     dyt = qdy.t() if qdy.transposable else _q(dy2d.t(), recipe, "grad_output")
                     if qx is not None and qx.transposable:
                         xt = qx.t()
                     else:  # re-tile along M, from the FP8 copy when that is what was kept
-                        hp = qx.dequantize() if qx is not None else x2d
-                        xt = _q(hp.t(), recipe, "input")
+                        x_hp = qx.dequantize() if qx is not None else x2d
+                        xt = _q(x_hp.t(), recipe, "input")
                     gw = fp8_gemm(dyt, xt, plan.out_dtype).to(w_dtype)  # (N, K)
                 if want_b:
                     gb = dy2d.float().sum(0).to(w_dtype)
@@ -450,11 +478,13 @@ def _grouped_path(recipe: Recipe | None, bias, fp8_activation: bool) -> bool:
     per row), so that quantizing every group's tokens at once is quantizing each group's,
     and whose scales are powers of two, so that the dequantized operands are exact in the
     GEMM's dtype: blockwise, MXFP8, rowwise (power-of-two by default). Per-tensor recipes
-    (current, delayed) take one scale per expert and stay on the per-group path."""
+    (current, delayed) take one scale per expert and stay on the per-group path, as does a
+    recipe that keeps some GEMM in high precision (`override_linear_precision`)."""
     pow2 = isinstance(recipe, MXFP8Scaling) or (
         isinstance(recipe, (BlockwiseScaling, RowwiseScaling)) and recipe.power_2_scale
     )
-    return pow2 and bias is None and not fp8_activation
+    overridden = pow2 and any(recipe.override_linear_precision)
+    return pow2 and not overridden and bias is None and not fp8_activation
 
 
 @functools.cache

@@ -83,12 +83,34 @@ RECIPE_NAMES = ("delayed", "current", "rowwise", "blockwise", "mxfp8")
 AMAX_ALGOS = ("max", "most_recent")
 
 
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
 @dataclass(frozen=True)
 class _RecipeBase:
     fp8_format: str = "e4m3"  # "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3"
+    # TE's `override_linear_precision`: (fprop, dgrad, wgrad), True runs that GEMM of every
+    # FP8 linear in high precision (the autocast dtype, as a BF16 layer would). Megatron's
+    # `--no-fp8-wgrad` is (False, False, True). Also the tool that splits an FP8 run's error
+    # between the forward and the two backward GEMMs (benchmarks/fp8_gradient_fidelity.py).
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
 
     def __post_init__(self) -> None:
         check_format_choice(self.fp8_format)
+        o = self.override_linear_precision
+        if len(o) != 3 or not all(isinstance(v, bool) for v in o):
+            raise ValueError(
+                f"override_linear_precision must be three booleans {GEMMS}, got {o!r}"
+            )
+        if all(o):
+            raise ValueError(
+                "override_linear_precision=(True, True, True) leaves no GEMM in FP8; "
+                "turn FP8 off instead"
+            )
+
+    def high_precision(self, gemm: str) -> bool:
+        """Whether `gemm` ("fprop", "dgrad", "wgrad") runs in high precision."""
+        return self.override_linear_precision[GEMMS.index(gemm)]
 
 
 @dataclass(frozen=True)

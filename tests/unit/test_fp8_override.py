@@ -1,0 +1,110 @@
+"""`override_linear_precision` (TransformerEngine's recipe field): each of an FP8 linear's three
+GEMMs (fprop, dgrad, wgrad) can run in high precision while the other two stay FP8.
+
+A GEMM kept in high precision must give what a BF16 layer's GEMM gives (F.linear under the same
+autocast), bit for bit, and the GEMMs left in FP8 must give what they give without the override.
+Delayed scaling must keep recording the amaxes of what it still quantizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperloom.engine.fp8 import (
+    BlockwiseScaling,
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Linear,
+    MXFP8Scaling,
+    RowwiseScaling,
+)
+from hyperloom.engine.fp8.modules import _grouped_path
+
+RECIPES = [DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling, MXFP8Scaling]
+OVERRIDES = [o for o in itertools.product([False, True], repeat=3) if any(o) and not all(o)]
+
+
+def _run(recipe, x, w, dy, autocast=True):
+    """(y, dx, dW) of one forward/backward of an FP8 linear holding `w`."""
+    layer = Fp8Linear.from_linear(nn.Linear(w.shape[1], w.shape[0], bias=False), recipe)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    xx = x.clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        y = layer(xx)
+    y.backward(dy.to(y.dtype))
+    return y, xx.grad, layer.weight.grad, layer
+
+
+def _bf16(x, w, dy):
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = F.linear(xx, ww)
+    y.backward(dy.to(y.dtype))
+    return y, xx.grad, ww.grad
+
+
+@pytest.mark.parametrize("override", OVERRIDES, ids=lambda o: "".join("HF"[not v] for v in o))
+@pytest.mark.parametrize("recipe_cls", RECIPES, ids=lambda c: c.name)
+def test_each_overridden_gemm_is_the_bf16_gemm_and_the_rest_stay_fp8(recipe_cls, override):
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(96, 256, generator=g), torch.randn(128, 256, generator=g) * 0.05
+    dy = torch.randn(96, 128, generator=g)
+    bf16 = _bf16(x, w, dy)
+    fp8 = _run(recipe_cls(), x, w, dy)[:3]
+    got = _run(recipe_cls(override_linear_precision=override), x, w, dy)[:3]
+    for name, hp, out, want_hp, want_fp8 in zip(
+        ("y", "dx", "dW"), override, got, bf16, fp8, strict=True
+    ):
+        want = want_hp if hp else want_fp8
+        assert torch.equal(out, want), f"{name} ({'high precision' if hp else 'FP8'})"
+    # and the FP8 result really differs from BF16 here, so the comparison above can fail
+    assert not any(torch.equal(a, b) for a, b in zip(fp8, bf16, strict=True))
+
+
+def test_delayed_scaling_still_records_what_it_quantizes():
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = (
+        torch.randn(32, 64, generator=g),
+        torch.randn(48, 64, generator=g),
+        torch.randn(32, 48, generator=g),
+    )
+    *_, plain = _run(DelayedScaling(), x, w, dy, autocast=False)
+    # The forward GEMM in high precision: the input and weight are still quantized for the
+    # FP8 weight- and data-gradient GEMMs, so all three amaxes are recorded as before.
+    *_, fwd_hp = _run(
+        DelayedScaling(override_linear_precision=(True, False, False)), x, w, dy, False
+    )
+    assert torch.equal(fwd_hp.fp8_amax_history, plain.fp8_amax_history)
+    assert fwd_hp.fp8_amax_history[0].gt(0).all()
+    # Both backward GEMMs in high precision: the output gradient is never quantized.
+    *_, bwd_hp = _run(
+        DelayedScaling(override_linear_precision=(False, True, True)), x, w, dy, False
+    )
+    hist = bwd_hp.fp8_amax_history[0]  # columns: input, weight, grad_output
+    assert torch.equal(hist[:2], plain.fp8_amax_history[0, :2]) and hist[2] == 0
+
+
+def test_an_override_keeps_experts_off_the_grouped_gemm():
+    assert _grouped_path(BlockwiseScaling(), None, False)
+    assert not _grouped_path(
+        BlockwiseScaling(override_linear_precision=(False, False, True)), None, False
+    )
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ((True, True, True), "no GEMM in FP8"),
+        ((True, False), "three booleans"),
+        ((1, 0, 0), "three booleans"),
+    ],
+)
+def test_bad_override_is_refused_with_the_reason(value, match):
+    with pytest.raises(ValueError, match=match):
+        BlockwiseScaling(override_linear_precision=value)

@@ -5,6 +5,8 @@ Per operator (hyperloom.engine.ops), forward + backward of
 - reference: plain PyTorch, autograd saves what it likes;
 - fused_eager: our custom autograd function with its kernels run eagerly (the fallback);
 - fused: the same function with torch.compile-generated kernels (the default);
+- triton: RMSNorm's and SwiGLU's hand-written Triton kernels (`ops.triton`), timed only where
+  Triton runs on a GPU (its CPU interpreter is a test tool, not a contender);
 
 timed (median of `--reps` after warm-up; compile happens in the warm-up), with the peak of
 live bytes the call allocates (`engine.ops.memory.AllocationTracker`, a dispatch mode: the CPU
@@ -59,6 +61,7 @@ from hyperloom.accelerator import (
 )
 from hyperloom.config import DataConfig, ModelConfig, OpsConfig, TrainConfig
 from hyperloom.engine import ops
+from hyperloom.engine.ops import triton_kernels
 from hyperloom.engine.ops.memory import AllocationTracker
 from hyperloom.planner.calibrate import measure_memory
 
@@ -124,6 +127,15 @@ def memory_impl(impl: str, acc: Accelerator) -> str:
     return "fused_eager" if impl == "fused" and acc.kind != "cuda" else impl
 
 
+def triton_timed(acc: Accelerator) -> bool:
+    """Whether the Triton column is measured: a GPU Triton launches on, not the interpreter."""
+    return (
+        acc.kind != "cpu"
+        and not triton_kernels.interpreting()
+        and triton_kernels.runs_on(acc.device)
+    )
+
+
 def nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -151,6 +163,7 @@ def operator_cases(tokens: int, hidden: int, device: torch.device) -> list[dict[
             fn=lambda impl: lambda x, r, w: ops.rms_norm(x, w, 1e-5, r, impl=impl),
             inputs=[x, res, w],
             bytes=2 * nbytes(x) + 7 * nbytes(res),
+            triton=True,
         )
     )
     ffn = hidden * 7 // 2  # Llama-3 8B: 14336 for 4096
@@ -162,6 +175,7 @@ def operator_cases(tokens: int, hidden: int, device: torch.device) -> list[dict[
             fn=lambda impl: lambda a, b: ops.swiglu(a, b, impl=impl),
             inputs=[a, b],
             bytes=8 * nbytes(a),
+            triton=True,
         )
     )
     seq = min(tokens, 1024)
@@ -187,9 +201,10 @@ def operator_cases(tokens: int, hidden: int, device: torch.device) -> list[dict[
 
 def bench_operators(args, acc: Accelerator, copy_gbs: float) -> list[dict[str, Any]]:
     rows = []
+    with_triton = triton_timed(acc)
     for case in operator_cases(args.tokens, args.hidden, acc.device):
         row = {"op": case["name"], "shape": case["shape"], "least_bytes": case["bytes"]}
-        for impl in IMPLS:
+        for impl in IMPLS + (("triton",) if with_triton and case.get("triton") else ()):
             run = fwd_bwd(case["fn"](impl), case["inputs"])
             ms = time_ms(run, acc, args.reps)
             mem_run = fwd_bwd(case["fn"](memory_impl(impl, acc)), case["inputs"])
@@ -200,6 +215,8 @@ def bench_operators(args, acc: Accelerator, copy_gbs: float) -> list[dict[str, A
             }
         row["speedup"] = row["reference"]["ms"] / row["fused"]["ms"]
         row["fused_fraction_of_copy_bw"] = row["fused"]["gb_per_s"] / copy_gbs
+        if "triton" in row:
+            row["triton_over_fused"] = row["fused"]["ms"] / row["triton"]["ms"]
         rows.append(row)
         print(f"  {row['op']:<28} {row['shape']:<36} x{row['speedup']:.2f}", flush=True)
     rows.append(bench_attention(args, acc))
@@ -394,6 +411,7 @@ def print_table(payload: dict[str, Any]) -> None:
         "ref ms",
         "eager ms",
         "fused ms",
+        "triton ms",
         "speedup",
         "ref MiB",
         "fused MiB",
@@ -409,6 +427,7 @@ def print_table(payload: dict[str, Any]) -> None:
             f"{row['reference']['ms']:.1f}",
             f"{eager['ms']:.1f}" if eager else "-",
             f"{row['fused']['ms']:.1f}",
+            f"{row['triton']['ms']:.1f}" if "triton" in row else "-",
             f"{row['speedup']:.2f}x",
             _mib(row["reference"]["peak_bytes"]),
             _mib(row["fused"]["peak_bytes"]),

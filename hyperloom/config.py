@@ -319,6 +319,12 @@ class OpsConfig:
     ce_chunk_tokens: int = knob(
         0, "tokens per chunk of the fused cross-entropy (0 = logits chunk ~ hidden size)"
     )
+    triton: bool = knob(
+        False,
+        "hand-written Triton kernels for RMSNorm and SwiGLU (GPU, or the interpreter with "
+        "TRITON_INTERPRET=1; without either, a warning and the fused kernels); off: their "
+        "speed against the torch.compile kernels is not measured yet",
+    )
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,9 @@ def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedM
     model = build_model(cfg.model).materialize(acc.device, seed=0)
     # Decoding calls the model with a new shape per step (prompt, then one token): compiling
     # the fused kernels for each would cost more than they save, so they run eagerly here.
-    use_ops(model, OpImpls.choose(compile=False))
+    # The Triton kernels, if the job asked for them, take the token count as a runtime
+    # argument: a few builds in all, not one per shape.
+    use_ops(model, OpImpls.choose(compile=False, triton=cfg.ops.triton))
     try:
         model.load_state_dict(ckpt.load_model_state(ckpt_dir))
     except RuntimeError as exc:

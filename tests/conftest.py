@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton (in the test extra) runs its kernels in its interpreter here, on CPU tensors: CI has
+# no GPU. Triton reads the flag when `triton.language` is first imported, so it is set before
+# anything can import that; TRITON_INTERPRET=0 in the environment opts out.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # A model small enough that 40 CPU steps take well under a second in fp32.
 TINY_MODEL = {
     "model.dim": 64,

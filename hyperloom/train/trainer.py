@@ -88,7 +88,8 @@ class Trainer:
             self.pm = parallelize(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
         o = cfg.ops  # which operator implementations the model calls (engine.ops)
-        use_ops(self.model, OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens))
+        impls = OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens, o.triton)
+        use_ops(self.model, impls)
         self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
         self.optimizer = self.pm.make_optimizer(t)
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a

@@ -103,7 +103,7 @@ def _accumulate_grad_w(
     dz: torch.Tensor,
     hk: torch.Tensor,
     buf: torch.Tensor | None = None,
-    compile: bool = True,
+    impl: str = "fused",
 ) -> torch.Tensor | None:
     """grad_w (vocab, dim) float32 += dzᵀ hk, without a (vocab, dim) float32 temporary.
 
@@ -124,14 +124,14 @@ def _accumulate_grad_w(
         v1 = min(v0 + rows, vocab)
         out = buf[: v1 - v0]
         torch.mm(dz[:, v0:v1].T, hk, out=out)  # (rows, dim) in the low precision
-        _add_into(grad_w[v0:v1], out, compile=compile)
+        _add_into(grad_w[v0:v1], out, impl=impl)
     return buf
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, opts):
-        ignore_index, chunk, vocab_start, all_reduce, cdt, reduction, need_grad, compile = opts
+        ignore_index, chunk, vocab_start, all_reduce, cdt, reduction, need_grad, impl = opts
         dim, vocab = hidden.shape[-1], weight.shape[0]
         h = hidden.reshape(-1, dim)  # (tokens, dim)
         lab = labels.reshape(-1)  # (tokens,)
@@ -157,19 +157,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 m = z.amax(-1).float()  # (c,)
                 if all_reduce is not None:
                     m = all_reduce(m, "max")
-                s, target = _sumexp_target(z, m, idx, inside, compile=compile)
+                s, target = _sumexp_target(z, m, idx, inside, impl=impl)
                 if all_reduce is not None:
                     s, target = all_reduce(torch.stack([s, target]), "sum").unbind(0)
                 loss += torch.where(ok, s.log() - target, torch.zeros_like(s)).sum()
                 if grad_h is None and grad_w is None:
                     continue
                 row_scale = ok.float() * scale
-                dz = _logit_grad(z, m, s, idx, inside, row_scale, compile=compile)  # (c, vocab)
+                dz = _logit_grad(z, m, s, idx, inside, row_scale, impl=impl)  # (c, vocab)
                 del z
                 if grad_h is not None:
                     grad_h[start : start + chunk] = dz @ wc  # (c, dim)
                 if grad_w is not None:
-                    buf = _accumulate_grad_w(grad_w, dz, hk, buf, compile)
+                    buf = _accumulate_grad_w(grad_w, dz, hk, buf, impl)
         # Kept as plain attributes, not save_for_backward: backward hands over the only
         # reference, so autograd can adopt ∂W as weight.grad instead of copying 2 GiB.
         ctx.grads = (grad_h, grad_w)
@@ -216,6 +216,8 @@ def linear_cross_entropy(
     autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
     cdt = torch.get_autocast_dtype(dev) if autocast else hidden.dtype
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    # Vocab-parallel has no unchunked reference: there "reference" runs the kernels eagerly.
+    kernels = "fused_eager" if impl == "reference" else impl
     opts = (
         ignore_index,
         chunk,
@@ -224,6 +226,6 @@ def linear_cross_entropy(
         cdt,
         reduction,
         need_grad,
-        impl == "fused",
+        kernels,
     )
     return _LinearCrossEntropy.apply(hidden, weight, labels, opts)

@@ -16,6 +16,13 @@ A `Kernel` runs its function eagerly -- the same algorithm, unfused -- when
 
 Shapes vary (the last chunk of a loss, prompt vs decode steps), so the first recompile marks
 the changed dimension dynamic (torch.compile's default `dynamic=None`).
+
+A kernel may also carry a hand-written Triton launcher (`@kernel(triton=...)`, from
+`triton_kernels.py`) with the same signature and results. `impl="triton"` runs it where
+Triton can launch on the inputs' device (a GPU, or anywhere under `TRITON_INTERPRET=1`) and
+otherwise takes the "fused" route above; so does a kernel without a Triton launcher, and so
+does one whose launch failed once (one warning). Inside an outer torch.compile the eager
+route runs whatever `impl` asks: Inductor fuses the whole graph there.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from typing import Any
 
 import torch
 
+from hyperloom.engine.ops import triton_kernels
+
 log = logging.getLogger("hyperloom.engine.ops")
 
-IMPLS = ("reference", "fused", "fused_eager")
+IMPLS = ("reference", "fused", "fused_eager", "triton")
 
 
 def compile_allowed() -> bool:
@@ -61,17 +70,37 @@ class Kernel:
     `eager`, if given, is what runs uncompiled instead of `fn` itself: the same result by a
     route that is cheap without fusion (e.g. native-dtype ops where `fn` upcasts to float32,
     which Inductor fuses for free but eager PyTorch pays for in whole extra passes).
+    `triton`, if given, is a hand-written launcher returning what `fn` returns, run for
+    `impl="triton"`.
     """
 
-    def __init__(self, fn: Callable[..., Any], eager: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        eager: Callable[..., Any] | None = None,
+        triton: Callable[..., Any] | None = None,
+    ):
         self.fn = fn
         self.eager = eager or fn
+        self.triton = triton
         self.name = fn.__name__
         self._compiled: Callable[..., Any] | None = None
         self._failed = False
+        self._triton_failed = False
 
-    def __call__(self, *args: Any, compile: bool = True) -> Any:
-        if not compile or self._failed or not compile_allowed() or torch.compiler.is_compiling():
+    def __call__(self, *args: Any, impl: str = "fused") -> Any:
+        """Run on `args` by the route `impl` names: "fused" (compiled), "fused_eager" or
+        "triton" (see the module docstring for when each falls back)."""
+        if torch.compiler.is_compiling():
+            return self.eager(*args)
+        if impl == "triton" and self._triton_runs(args):
+            try:
+                return self.triton(*args)
+            except Exception as exc:  # noqa: BLE001 - a backend Triton cannot compile for
+                self._triton_failed = True
+                where = f"{self.fn.__module__}.{self.name}"
+                _warn_fallback(f"Triton kernel {where} failed", exc, 'the "fused" route')
+        if impl == "fused_eager" or self._failed or not compile_allowed():
             return self.eager(*args)
         if self._compiled is None:
             # Each (dtype, width) a model uses is its own graph: MLA's norms alone bring three
@@ -87,18 +116,32 @@ class Kernel:
             return self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means "use eager"
             self._failed = True
-            log.warning(
-                "torch.compile failed for fused kernel %s (%s: %s); using eager PyTorch for it",
-                self.name,
-                type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
+            _warn_fallback(
+                f"torch.compile failed for fused kernel {self.name}", exc, "eager PyTorch"
             )
             return self.eager(*args)
 
+    def _triton_runs(self, args: tuple[Any, ...]) -> bool:
+        if self.triton is None or self._triton_failed:
+            return False
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return triton_kernels.runs_on(device)
 
-def kernel(fn: Callable[..., Any] | None = None, *, eager: Callable[..., Any] | None = None) -> Any:
-    """Decorator: `@kernel def _fwd(...)` makes `_fwd(*args, compile=...)`;
-    `@kernel(eager=other)` runs `other` when not compiled."""
+
+def _warn_fallback(failure: str, exc: Exception, instead: str) -> None:
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    log.warning("%s (%s: %s); using %s for it", failure, type(exc).__name__, first_line, instead)
+
+
+def kernel(
+    fn: Callable[..., Any] | None = None,
+    *,
+    eager: Callable[..., Any] | None = None,
+    triton: Callable[..., Any] | None = None,
+) -> Any:
+    """Decorator: `@kernel def _fwd(...)` makes `_fwd(*args, impl=...)`;
+    `@kernel(eager=other)` runs `other` when not compiled, `@kernel(triton=launch)` runs
+    `launch` for `impl="triton"`."""
     if fn is None:
-        return lambda f: Kernel(f, eager)
-    return Kernel(fn, eager)
+        return lambda f: Kernel(f, eager, triton)
+    return Kernel(fn, eager, triton)

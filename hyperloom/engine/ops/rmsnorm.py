@@ -14,6 +14,10 @@ the normalised activations are recomputed:
     ∂r = rstd · (g − x̂ · mean(g · x̂)),  g = ∂y · w;   ∂w = Σ_tokens ∂y · x̂
 
 and ∂r is the gradient of both the block input and the sub-layer output.
+
+The kernels `_fwd`/`_bwd` are compiled by torch.compile ("fused"), run eagerly
+("fused_eager"), or replaced by hand-written Triton kernels with the same results ("triton",
+`triton_kernels.py`: a program per row forward; ∂w summed from per-program partials).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyperloom.engine.ops import triton_kernels
 from hyperloom.engine.ops.kernels import check_impl, kernel
 
 
@@ -36,7 +41,7 @@ def rms_norm_reference(
     return y if residual is None else (y, r)
 
 
-@kernel
+@kernel(triton=triton_kernels.rms_norm_fwd)
 def _fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     r = x if residual is None else residual + x  # (n, dim)
     rf = r.float()
@@ -45,7 +50,7 @@ def _fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
     return y, r, rstd
 
 
-@kernel
+@kernel(triton=triton_kernels.rms_norm_bwd)
 def _bwd(dy: torch.Tensor, dr_out: torch.Tensor | None, r: torch.Tensor, weight, rstd):
     xhat = r.float() * rstd  # (n, dim), recomputed
     g = dy.float() * weight.float()
@@ -58,13 +63,13 @@ def _bwd(dy: torch.Tensor, dr_out: torch.Tensor | None, r: torch.Tensor, weight,
 
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, compile):
+    def forward(ctx, x, residual, weight, eps, impl):
         shape, dim = x.shape, x.shape[-1]
         x2 = x.reshape(-1, dim)  # (tokens, dim)
         res2 = None if residual is None else residual.reshape(-1, dim)
-        y, r, rstd = _fwd(x2, res2, weight, eps, compile=compile)
+        y, r, rstd = _fwd(x2, res2, weight, eps, impl=impl)
         ctx.save_for_backward(r, weight, rstd)
-        ctx.compile, ctx.has_residual = compile, residual is not None
+        ctx.impl, ctx.has_residual = impl, residual is not None
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
         y = y.view(shape)
         if residual is None:
@@ -77,7 +82,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         dim = r.shape[-1]
         dy2 = dy.reshape(-1, dim)  # (tokens, dim)
         dr2 = None if dr_out is None else dr_out.reshape(-1, dim)
-        dr, dw = _bwd(dy2, dr2, r, weight, rstd, compile=ctx.compile)
+        dr, dw = _bwd(dy2, dr2, r, weight, rstd, impl=ctx.impl)
         dr = dr.view(dy.shape)
         dx = dr.to(ctx.dtypes[0])
         dres = dr.to(ctx.dtypes[1]) if ctx.has_residual else None
@@ -93,12 +98,13 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x` (..., dim), or of `residual + x` returning `(normed, residual + x)`.
 
-    `impl`: "reference" (plain PyTorch), "fused" (custom autograd with compiled kernels) or
-    "fused_eager" (the same custom autograd, kernels run eagerly).
+    `impl`: "reference" (plain PyTorch), "fused" (custom autograd with compiled kernels),
+    "fused_eager" (the same custom autograd, kernels run eagerly) or "triton" (the same
+    custom autograd with hand-written Triton kernels where Triton runs, else as "fused").
     """
     check_impl(impl)
     if impl == "reference":
         return rms_norm_reference(x, weight, eps, residual)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
-    return _FusedRMSNorm.apply(x, residual, weight, eps, impl == "fused")
+    return _FusedRMSNorm.apply(x, residual, weight, eps, impl)

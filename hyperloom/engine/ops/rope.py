@@ -107,15 +107,15 @@ def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class _FusedRoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, compile):
+    def forward(ctx, x, cos, sin, impl):
         ctx.save_for_backward(cos, sin)  # tables only: no activation is kept
-        ctx.compile = compile
-        return _rope_fwd(x, cos, sin, compile=compile)
+        ctx.impl = impl
+        return _rope_fwd(x, cos, sin, impl=impl)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return _rope_bwd(dy, cos, sin, compile=ctx.compile), None, None, None
+        return _rope_bwd(dy, cos, sin, impl=ctx.impl), None, None, None
 
 
 def rope(
@@ -127,4 +127,4 @@ def rope(
         raise ValueError(f"rope tables of width {cos.shape[-1]} do not fit head_dim {x.shape[-1]}")
     if impl == "reference":
         return apply_rope(x, cos, sin)
-    return _FusedRoPE.apply(x, cos, sin, impl == "fused")
+    return _FusedRoPE.apply(x, cos, sin, impl)

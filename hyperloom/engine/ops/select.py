@@ -4,21 +4,34 @@ A model holds one `OpImpls` and passes its fields to the `hyperloom.engine.ops` 
 "fused" is the default wherever it is available: the fused operators never do more memory
 traffic than the reference, and when torch.compile is missing or fails their kernels fall
 back to eager PyTorch ("fused_eager") by themselves.
+
+"triton" (`ops.triton`, opt-in) gives the ops with hand-written Triton kernels (`TRITON_OPS`)
+those kernels instead of the torch.compile ones. When Triton cannot run in this process (not
+installed; no GPU and no `TRITON_INTERPRET=1`) `choose` says so once and keeps "fused": the
+choice is made here, in the process that trains, rather than in config validation, which may
+run on another machine (a laptop checking a cluster job).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
 
+from hyperloom.engine.ops import triton_kernels
+
+log = logging.getLogger("hyperloom.engine.ops")
+
 OPS = ("rmsnorm", "swiglu", "rope", "cross_entropy", "attention")
+TRITON_OPS = ("rmsnorm", "swiglu")  # ops with hand-written Triton kernels (triton_kernels.py)
 
 
 @dataclass(frozen=True)
 class OpImpls:
-    """Implementation per operator: "reference", "fused" or "fused_eager" (see kernels.py)."""
+    """Implementation per operator: "reference", "fused", "fused_eager" or "triton" (see
+    kernels.py)."""
 
     rmsnorm: str = "fused"
     swiglu: str = "fused"
@@ -34,15 +47,29 @@ class OpImpls:
         compile: bool = True,
         reference: Iterable[str] = (),
         ce_chunk_tokens: int = 0,
+        triton: bool = False,
     ) -> OpImpls:
         """All ops fused (compiled, or eager if `compile` is false), except those named in
-        `reference`; or all reference when `fused` is false."""
+        `reference`; or all reference when `fused` is false. `triton` gives `TRITON_OPS` their
+        Triton kernels where Triton can run; where it cannot, it warns once and they keep the
+        kernels `compile` picks."""
         reference = set(reference)
         unknown = sorted(reference - set(OPS))
         if unknown:
             raise ValueError(f"unknown ops {unknown}; known: {', '.join(OPS)}")
         fast = "fused" if compile else "fused_eager"
         impl = {op: fast if fused and op not in reference else "reference" for op in OPS}
+        wants_triton = [op for op in TRITON_OPS if impl[op] != "reference"] if triton else []
+        why_not = triton_kernels.unavailable_reason() if wants_triton else None
+        if why_not:
+            log.warning(
+                "ops.triton is on but %s; %s use their %r kernels instead",
+                why_not,
+                " and ".join(wants_triton),
+                fast,
+            )
+        elif wants_triton:
+            impl.update(dict.fromkeys(wants_triton, "triton"))
         return cls(**impl, ce_chunk_tokens=ce_chunk_tokens)
 
 

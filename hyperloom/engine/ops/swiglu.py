@@ -9,7 +9,8 @@ tensors, the widest activations of the block. The fused operator saves only its 
 
 Compiled, the math runs in float32 and the result is cast to the inputs' dtype once; the
 eager fallback uses native-dtype ops as the reference does (upcasting costs eager PyTorch
-whole extra passes over the widest activations).
+whole extra passes over the widest activations). The hand-written Triton kernels
+(`impl="triton"`, `triton_kernels.py`) compute the compiled formulas, elementwise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyperloom.engine.ops import triton_kernels
 from hyperloom.engine.ops.kernels import check_impl, kernel
 
 
@@ -34,7 +36,7 @@ def _bwd_native(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
     return torch.ops.aten.silu_backward(dy * b, a), dy * F.silu(a)
 
 
-@kernel(eager=_fwd_native)
+@kernel(eager=_fwd_native, triton=triton_kernels.swiglu_fwd)
 def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     af = a.float()
     # a / (1 + e^-a) rather than a * sigmoid(a): one multiply less per element, and on a CPU
@@ -42,7 +44,7 @@ def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (af / (1 + torch.exp(-af)) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
 
 
-@kernel(eager=_bwd_native)
+@kernel(eager=_bwd_native, triton=triton_kernels.swiglu_bwd)
 def _bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
     af, bf, g = a.float(), b.float(), dy.float()
     s = 1 / (1 + torch.exp(-af))
@@ -54,15 +56,15 @@ def _bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 
 class _FusedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, compile):
+    def forward(ctx, a, b, impl):
         ctx.save_for_backward(a, b)
-        ctx.compile = compile
-        return _fwd(a, b, compile=compile)
+        ctx.impl = impl
+        return _fwd(a, b, impl=impl)
 
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
-        da, db = _bwd(dy, a, b, compile=ctx.compile)
+        da, db = _bwd(dy, a, b, impl=ctx.impl)
         return da, db, None
 
 
@@ -73,4 +75,4 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, impl: str = "fused") -> torch.Tenso
         return swiglu_reference(a, b)
     if a.shape != b.shape:
         raise ValueError(f"swiglu needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return _FusedSwiGLU.apply(a, b, impl == "fused")
+    return _FusedSwiGLU.apply(a, b, impl)

@@ -178,6 +178,11 @@ class PrecisionConfig:
             "*norm*",
         ],
     )
+    fp8_high_precision: list[str] = knob(
+        doc="GEMMs of every FP8 linear run in high precision instead: fprop, dgrad, wgrad "
+        "(TE's override_linear_precision; ['wgrad'] is Megatron's --no-fp8-wgrad)",
+        factory=list,
+    )
 
 
 @dataclass(frozen=True)
@@ -706,10 +711,29 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"data-parallel ranks"
             )
     p.extend(_moe_problems(cfg))
+    p.extend(_fp8_high_precision_problems(cfg.precision.fp8_high_precision))
     if cfg.precision.fp8 != "none" and par.tp > 1 and not bad:
         p.extend(_fp8_tensor_parallel_problems(cfg))
     if p:
         raise ConfigError(p)
+
+
+FP8_GEMMS = ("fprop", "dgrad", "wgrad")  # engine.fp8.recipes.GEMMS (no engine import here)
+
+
+def _fp8_high_precision_problems(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in FP8_GEMMS]
+    if unknown:
+        return [
+            f"precision.fp8_high_precision: {unknown} are not GEMMs of a linear layer; "
+            f"allowed: {', '.join(FP8_GEMMS)}"
+        ]
+    if set(names) == set(FP8_GEMMS):
+        return [
+            "precision.fp8_high_precision names all three GEMMs, which leaves nothing in "
+            "FP8; set precision.fp8 = 'none' instead"
+        ]
+    return []
 
 
 def _fp8_tensor_parallel_problems(cfg: JobConfig) -> list[str]:

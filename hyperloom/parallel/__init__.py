@@ -28,8 +28,9 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
     from the same weights.
     """
     model = build_model(cfg.model)
-    if cfg.precision.fp8 != "none":
-        convert_to_fp8(model, recipe_from_name(cfg.precision.fp8), keep=cfg.precision.fp8_keep)
+    p8 = cfg.precision
+    if p8.fp8 != "none":
+        convert_to_fp8(model, recipe_from_name(p8.fp8, p8.fp8_high_precision), keep=p8.fp8_keep)
     sp_params = []
     if mesh.size("tp") > 1:
         sp_params = apply_tensor_parallel(

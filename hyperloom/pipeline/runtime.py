@@ -390,8 +390,9 @@ def build_pipeline(
     ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
     for c in mine:
         chunk = cut(c)
-        if cfg.precision.fp8 != "none":  # before tp, as `parallelize` does
-            convert_to_fp8(chunk, recipe_from_name(cfg.precision.fp8), cfg.precision.fp8_keep)
+        p8 = cfg.precision
+        if p8.fp8 != "none":  # before tp, as `parallelize` does
+            convert_to_fp8(chunk, recipe_from_name(p8.fp8, p8.fp8_high_precision), p8.fp8_keep)
         if tp > 1:
             sp = apply_tensor_parallel(
                 chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True

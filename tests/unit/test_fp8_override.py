@@ -108,3 +108,35 @@ def test_an_override_keeps_experts_off_the_grouped_gemm():
 def test_bad_override_is_refused_with_the_reason(value, match):
     with pytest.raises(ValueError, match=match):
         BlockwiseScaling(override_linear_precision=value)
+
+
+def test_the_config_switch_reaches_every_fp8_layer():
+    from hyperloom.accelerator import get_accelerator
+    from hyperloom.config import load_config
+    from hyperloom.engine.fp8.convert import fp8_modules
+    from hyperloom.parallel import parallelize
+    from hyperloom.parallel.mesh import build_mesh
+
+    cfg = load_config(
+        None,
+        ["--model.preset", "tiny", "--model.n_layers", "1", "--model.dim", "64",
+         "--model.n_heads", "2", "--model.n_kv_heads", "1", "--model.ffn_dim", "128",
+         "--model.vocab_size", "256", "--precision.fp8", "blockwise",
+         "--precision.fp8_high_precision", '["wgrad"]', "--train.device", "cpu"],
+        world_size=1,
+    )  # fmt: skip
+    acc = get_accelerator("cpu")
+    model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+    recipes = {m.recipe for _, m in fp8_modules(model)}
+    assert recipes == {BlockwiseScaling(override_linear_precision=(False, False, True))}
+
+
+@pytest.mark.parametrize(
+    "names,match",
+    [(["wgard"], "not GEMMs of a linear layer"), (["fprop", "dgrad", "wgrad"], "nothing in FP8")],
+)
+def test_bad_config_names_are_refused(names, match):
+    from hyperloom.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["--precision.fp8_high_precision", str(names).replace("'", '"')], 1)

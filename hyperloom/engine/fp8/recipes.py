@@ -64,7 +64,7 @@ column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -194,8 +194,10 @@ class MXFP8Scaling(_RecipeBase):
 Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXFP8Scaling
 
 
-def recipe_from_name(name: str) -> Recipe:
-    """The recipe for a `precision.fp8` value, with its default settings."""
+def recipe_from_name(name: str, high_precision: Iterable[str] = ()) -> Recipe:
+    """The recipe for a `precision.fp8` value, with its default settings; the GEMMs named in
+    `high_precision` ("fprop", "dgrad", "wgrad") run in high precision
+    (`override_linear_precision`)."""
     table = {
         "delayed": DelayedScaling,
         "current": CurrentScaling,
@@ -205,7 +207,10 @@ def recipe_from_name(name: str) -> Recipe:
     }
     if name not in table:
         raise ValueError(f"fp8 recipe {name!r} is not one of {RECIPE_NAMES}")
-    return table[name]()
+    high_precision = set(high_precision)
+    if high_precision - set(GEMMS):
+        raise ValueError(f"unknown GEMMs {sorted(high_precision - set(GEMMS))}; known: {GEMMS}")
+    return table[name](override_linear_precision=tuple(g in high_precision for g in GEMMS))
 
 
 class DelayedState:

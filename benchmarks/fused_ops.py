@@ -8,12 +8,13 @@ Per operator (hyperloom.engine.ops), forward + backward of
 - triton: RMSNorm's and SwiGLU's hand-written Triton kernels (`ops.triton`), timed only where
   Triton runs on a GPU (its CPU interpreter is a test tool, not a contender);
 
-timed (median of `--reps` after warm-up; compile happens in the warm-up), with the peak of
-live bytes the call allocates (`engine.ops.memory.AllocationTracker`, a dispatch mode: the CPU
-allocator keeps no statistics; on CUDA `max_memory_allocated` above the inputs), and the
-achieved bandwidth -- the bytes the operator must move at the least (inputs, outputs, saved
-tensors, gradients, each once) over the time -- next to this machine's measured copy
-bandwidth (read + write of a 256 MiB buffer, `planner.calibrate.measure_memory`).
+timed (median of `--reps` after warm-up, the implementations taking turns call by call; compile
+happens in the warm-up), with the peak of live bytes the call allocates
+(`engine.ops.memory.AllocationTracker`, a dispatch mode: the CPU allocator keeps no statistics;
+on CUDA `max_memory_allocated` above the inputs), and the achieved bandwidth -- the bytes the
+operator must move at the least (inputs, outputs, saved tensors, gradients, each once) over
+the time -- next to this machine's measured copy bandwidth (read + write of a 256 MiB buffer,
+`planner.calibrate.measure_memory`).
 
 The cross-entropy runs at vocab 128256 (Llama 3). Its memory is also measured at the full
 issue shape (8 x 1024 tokens, hidden 4096) on the meta device: the tracker sees the same
@@ -94,16 +95,27 @@ def fwd_bwd(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Callable[[], 
 
 
 def time_ms(run: Callable[[], None], acc: Accelerator, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
+    return time_interleaved({"run": run}, acc, reps, warmup)["run"]
+
+
+def time_interleaved(
+    runs: dict[str, Callable[[], None]], acc: Accelerator, reps: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median ms of each run, the runs taking turns call by call: a slow spell of the
+    machine (another process, the allocator growing) then lands on all of them, not on
+    whichever happened to be timed during it."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
-        acc.synchronize()
-        t = time.perf_counter()
-        run()
-        acc.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        for name, run in runs.items():
+            acc.synchronize()
+            t = time.perf_counter()
+            run()
+            acc.synchronize()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def peak_bytes(run: Callable[[], None], acc: Accelerator) -> int:
@@ -204,9 +216,11 @@ def bench_operators(args, acc: Accelerator, copy_gbs: float) -> list[dict[str, A
     with_triton = triton_timed(acc)
     for case in operator_cases(args.tokens, args.hidden, acc.device):
         row = {"op": case["name"], "shape": case["shape"], "least_bytes": case["bytes"]}
-        for impl in IMPLS + (("triton",) if with_triton and case.get("triton") else ()):
-            run = fwd_bwd(case["fn"](impl), case["inputs"])
-            ms = time_ms(run, acc, args.reps)
+        impls = IMPLS + (("triton",) if with_triton and case.get("triton") else ())
+        runs = {impl: fwd_bwd(case["fn"](impl), case["inputs"]) for impl in impls}
+        times = time_interleaved(runs, acc, args.reps)
+        for impl in impls:
+            ms = times[impl]
             mem_run = fwd_bwd(case["fn"](memory_impl(impl, acc)), case["inputs"])
             row[impl] = {
                 "ms": ms,

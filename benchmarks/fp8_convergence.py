@@ -62,9 +62,19 @@ JUDGED = ("blockwise", "current")
 # (e.g. SwiGLU's product in BF16 instead of FP32): how far a run drifts from BF16 by rounding
 # alone, the noise floor of the comparison. (Two threads instead of one is no such control:
 # on CPU it reproduced the BF16 run bit for bit over 350 steps.)
-CONTROLS = ("fp32", "bf16-refops")
+# blockwise-fwd / blockwise-bwd: blockwise with only the forward GEMM, or only the two backward
+# GEMMs, in FP8 (`precision.fp8_high_precision`): which side of the step a gap comes from.
+CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd")
+SPLIT_CONTROLS = {"blockwise-fwd": ["dgrad", "wgrad"], "blockwise-bwd": ["fprop"]}
 BF16_REPEATS = ("bf16-refops",)
 BENCH_FILE = "bench.json"  # what this benchmark asked of the run, and the wall time it took
+
+
+def fp8_of(recipe: str) -> str:
+    """`precision.fp8` of a contender: the recipe itself, its split controls' recipe, or none."""
+    if recipe in SPLIT_CONTROLS:
+        return recipe.split("-")[0]
+    return recipe if recipe in RECIPES[1:] else "none"
 
 
 def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
@@ -73,7 +83,7 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
         sys.executable, "-m", "hyperloom", "train",
         "--run-dir", str(run_dir),
         "--precision.dtype", "fp32" if recipe == "fp32" else "bf16",
-        "--precision.fp8", recipe if recipe in RECIPES[1:] else "none",
+        "--precision.fp8", fp8_of(recipe),
         "--train.steps", str(args.steps),
         "--train.seed", str(args.seed),
         "--train.eval_every", str(args.eval_every),
@@ -89,6 +99,8 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
     ]  # fmt: skip
     if recipe == "bf16-refops":
         cmd += ["--ops.fused", "false"]
+    if recipe in SPLIT_CONTROLS:
+        cmd += ["--precision.fp8_high_precision", json.dumps(SPLIT_CONTROLS[recipe])]
     if args.micro_batch:
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:

@@ -132,22 +132,58 @@ def breakdown(grads: list[dict], ref: list[dict]) -> dict[str, Any]:
     }
 
 
+def _flat(grad: dict, names: list[str]) -> torch.Tensor:
+    return torch.cat([grad[n].flatten() for n in names])
+
+
+def noise_or_bias(grads: list[dict], ref: list[dict]) -> dict[str, float]:
+    """Is the error noise or bias? The mean cosine between the error vectors of different
+    batches (about 0: independent per batch, averaged away over steps; towards 1: the same
+    direction every batch), and the error's component along the mean FP32 gradient as a
+    fraction of it (negative: the gradient comes out shorter along its true direction)."""
+    names = list(ref[0])
+    r = [_flat(x, names) for x in ref]
+    e = [_flat(g, names) - x for g, x in zip(grads, r, strict=True)]
+    mean = torch.stack(r).mean(0)
+    cos = [
+        torch.nn.functional.cosine_similarity(e[i], e[j], dim=0).item()
+        for i in range(len(e))
+        for j in range(i + 1, len(e))
+    ]
+    along = torch.dot(torch.stack(e).mean(0), mean) / mean.square().sum()
+    return {"error_cosine_between_batches": sum(cos) / len(cos), "error_along_mean": along.item()}
+
+
+def sampling_noise(ref: list[dict]) -> float:
+    """How far one batch's FP32 gradient is from the mean over the batches, relative to the
+    mean: the noise SGD already lives with, the scale for a precision's error."""
+    names = list(ref[0])
+    r = torch.stack([_flat(x, names) for x in ref])
+    mean = r.mean(0)
+    return ((r - mean).norm(dim=1).mean() / mean.norm()).item()
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(k, v) for k, v in results.items() if k != "fp32"]
+    rows = list(results.items())
     layers = list(rows[0][1]["layers"])
     fig, ax = plt.subplots(figsize=(9, 4.5))
+    bases = list(dict.fromkeys(name.split(" ")[0] for name, _ in rows))
+    colors = dict(zip(bases, plt.get_cmap("tab10").colors, strict=False))
+    styles = {"all": "-", "fwd": "--", "bwd": ":"}  # which GEMMs run in FP8
     for name, r in rows:
-        style = "--" if name.startswith("bf16") else "-"
+        base, _, split = name.partition(" ")
         ax.plot(
             [int(i) for i in layers],
             [r["layers"][i] for i in layers],
-            style,
+            styles.get(split.split(" ")[0], "-"),
+            color=colors[base],
             marker="o",
+            ms=3,
             label=name,
         )
     ax.set_xlabel("layer")
@@ -221,9 +257,19 @@ def main() -> None:
         del trainer
 
     ref = grads["fp32"]
-    results = {name: breakdown(g, ref) | {"loss": losses[name]} for name, g in grads.items()}
+    results = {
+        name: breakdown(g, ref) | noise_or_bias(g, ref) | {"loss": losses[name]}
+        for name, g in grads.items()
+        if name != "fp32"
+    }
+    noise = sampling_noise(ref)
     step = checkpoint_step(ckpt)
-    table = Table(title=f"Gradient error vs FP32 ({args.batches} batches, checkpoint step {step})")
+    table = Table(
+        title=f"Gradient error vs FP32 ({args.batches} batches, checkpoint step {step}); "
+        f"one batch's gradient is {noise:.2f} of the mean away from the mean",
+        caption="err cos: mean cosine between different batches' error vectors (0 = noise); "
+        "along: the error's component along the mean FP32 gradient, as a fraction of it",
+    )
     table.add_column("contender", no_wrap=True)
     table.add_column("all", justify="right")
     for g in GROUPS:
@@ -231,14 +277,17 @@ def main() -> None:
     layers = list(results["bf16"]["layers"])
     table.add_column(f"layer {layers[0]}", justify="right")
     table.add_column(f"layer {layers[-1]}", justify="right")
+    table.add_column("err cos", justify="right")
+    table.add_column("along", justify="right")
     for name, r in results.items():
-        if name == "fp32":
-            continue
         table.add_row(
             name, f"{r['all']:.4f}", *(f"{r['groups'][g]:.4f}" for g in GROUPS),
             f"{r['layers'][layers[0]]:.4f}", f"{r['layers'][layers[-1]]:.4f}",
+            f"{r['error_cosine_between_batches']:+.3f}", f"{r['error_along_mean']:+.4f}",
         )  # fmt: skip
     console = Console()
+    if not console.is_terminal:  # a log file: no 80-column default that cuts the numbers
+        console.width = 140
     console.print(table)
     base = val["bf16"]
     vt = Table(title="Validation loss of the same weights, forward in each precision")
@@ -256,6 +305,7 @@ def main() -> None:
         "batches": args.batches,
         "splits": {k: {"override_linear_precision": v} for k, v in SPLITS.items()},
         "machine": machine.machine_info(torch.get_num_threads(), "cpu"),
+        "sampling_noise": noise,
         "gradient_error_vs_fp32": results,
         "val_loss_by_forward": val,
         "wall_time_s": time.perf_counter() - t_start,

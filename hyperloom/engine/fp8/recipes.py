@@ -58,10 +58,13 @@ floor(log2 amax) - 8 is available.
 **Which GEMMs run in FP8.** Every recipe takes TE's `override_linear_precision` = (fprop,
 dgrad, wgrad): a GEMM marked True runs in high precision (the autocast dtype, exactly a BF16
 layer's GEMM) while the others stay FP8 -- Megatron's `--no-fp8-wgrad` is (False, False, True).
-Measured on the default model (benchmarks/fp8_gradient_fidelity.py): the FP8 gradient's error
-against FP32 is nearly all the forward GEMM's (0.31 of the gradient with only fprop in FP8,
-0.07 with only dgrad and wgrad, BF16's own rounding 0.07), because the network amplifies what
-rounding the forward activations to 3 mantissa bits does, most of all in attention q/k.
+Measured on the default model (benchmarks/fp8_gradient_fidelity.py): one step's FP8 gradient
+error against FP32 is nearly all the forward GEMM's (0.31 of the gradient with only fprop in
+FP8, 0.07 with only dgrad and wgrad, BF16's own rounding 0.07), because the network amplifies
+what rounding the forward activations to 3 mantissa bits does, most of all in attention q/k.
+Over 1000 steps the ranking differs: fprop alone in FP8 ended 3.2% above BF16 (its BF16
+backward differentiates the unquantized layer), dgrad + wgrad alone 0.8%, all three 1.2%
+(benchmarks/README.md, `fp8_convergence.py`).
 
 Every recipe here needs no communication between ranks except under tensor parallelism:
 delayed and current scaling reduce a sharded tensor's amax over its shards, and rowwise

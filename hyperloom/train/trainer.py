@@ -34,6 +34,7 @@ from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops import OpImpls, use_ops
+from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, init_distributed, parallelize
 from hyperloom.parallel.state import (
@@ -79,6 +80,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.data = data or self._build_data()
         # What this rank holds before the model: the planner's self-check predicts the rest.
+        if (cfg.ops.fused and cfg.ops.compile) or t.compile:
+            preload_triton()  # torch.compile would import it inside the first step
         self.memory_baseline = self.acc.current_memory_bytes()
         if cfg.parallel.pp > 1:  # stages of the model on this rank, run by a schedule
             self.pm = build_pipeline(

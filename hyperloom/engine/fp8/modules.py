@@ -58,6 +58,7 @@ from torch import nn
 from hyperloom.engine.fp8.formats import ROLES
 from hyperloom.engine.fp8.gemm import fp8_gemm
 from hyperloom.engine.fp8.recipes import (
+    GEMMS,
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
@@ -151,7 +152,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         with _no_autocast(x.device):
             x2d = x.reshape(-1, x.shape[-1])  # (M, K)
             red, recipe = plan.reduce_amax, plan.recipe
-            hp = {g: recipe.high_precision(g) for g in ("fprop", "dgrad", "wgrad")}
+            hp = dict(zip(GEMMS, recipe.override_linear_precision, strict=True))
             # Rowwise scales span K: reduced only when K is sharded (the input is then a
             # shard too), never for a weight sharded along N (column-parallel).
             k_whole = isinstance(recipe, RowwiseScaling) and red["input"] is None
@@ -483,8 +484,12 @@ def _grouped_path(recipe: Recipe | None, bias, fp8_activation: bool) -> bool:
     pow2 = isinstance(recipe, MXFP8Scaling) or (
         isinstance(recipe, (BlockwiseScaling, RowwiseScaling)) and recipe.power_2_scale
     )
-    overridden = pow2 and any(recipe.override_linear_precision)
-    return pow2 and not overridden and bias is None and not fp8_activation
+    return (
+        pow2
+        and not any(recipe.override_linear_precision)
+        and bias is None
+        and not fp8_activation
+    )
 
 
 @functools.cache

@@ -88,6 +88,7 @@ def run_config(name: str, nproc: int, extra: list[str], profile: Path, steps: in
         "host_alloc_factor": summary.get("plan_host_alloc_factor"),
         "compute_share": summary.get("plan_compute_share"),
         "plan_error": summary.get("plan_error"),
+        "predicted_memory_gib_by_part": summary.get("predicted_memory_gib_by_part"),
         "final_train_loss": summary.get("final_train_loss"),
     }
     if steady and out["predicted_step_s"]:

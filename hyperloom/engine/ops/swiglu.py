@@ -8,6 +8,12 @@ tensors, the widest activations of the block. The fused operator saves only its 
     s = σ(a),  ∂a = ∂y · b · s · (1 + a · (1 − s)),  ∂b = ∂y · a · s
 
 Compiled, the math runs in float32 and the result is cast to the inputs' dtype once; the
+exponential is taken as ``2^(-a · log2 e)``. On a CPU the exponential, not the bytes, bounds
+this operator: at 2048 x 14336 BF16 on the 2-core development container a compiled `a · b`
+takes 3.5 ms, `exp(a) · b` 7.8 ms and `exp2(a · c) · b` 7.2 ms (the vectorized `exp2f` is
+the cheaper of the two). The extra rounding of the product `a · log2 e` is ~1e-7 relative
+in float32, far below BF16's. With it the forward went from 9.0 to 7.8 ms and the backward
+from 12.7 to 11.3 ms (medians of 15 calls, 2 threads). The
 eager fallback uses native-dtype ops as the reference does (upcasting costs eager PyTorch
 whole extra passes over the widest activations). The hand-written Triton kernels
 (`impl="triton"`, `triton_kernels.py`) compute the compiled formulas, elementwise.
@@ -20,6 +26,8 @@ import torch.nn.functional as F
 
 from hyperloom.engine.ops import triton_kernels
 from hyperloom.engine.ops.kernels import check_impl, kernel
+
+LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x · log2 e)
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -40,14 +48,15 @@ def _bwd_native(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     af = a.float()
     # a / (1 + e^-a) rather than a * sigmoid(a): one multiply less per element, and on a CPU
-    # the exp and the divide, not the bytes, bound this kernel (9.0 vs 11.2 ms at 2048 x 14336).
-    return (af / (1 + torch.exp(-af)) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
+    # the exponential, not the bytes, bounds this kernel (module docstring).
+    y = af / (1 + torch.exp2(af * -LOG2E)) * b.float()
+    return y.to(torch.promote_types(a.dtype, b.dtype))
 
 
 @kernel(eager=_bwd_native, triton=triton_kernels.swiglu_bwd)
 def _bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
     af, bf, g = a.float(), b.float(), dy.float()
-    s = 1 / (1 + torch.exp(-af))
+    s = 1 / (1 + torch.exp2(af * -LOG2E))
     gs = g * s
     da = gs * bf * (1 + af - af * s)
     db = gs * af

@@ -260,8 +260,8 @@ def _swiglu_fwd_kernel(A, B, Y, n, BLOCK: tl.constexpr):
     mask = offs < n
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    # a / (1 + e^-a): swiglu._fwd's formula, so the two kernels round alike.
-    tl.store(Y + offs, (a / (1 + tl.exp(-a)) * b).to(Y.dtype.element_ty), mask=mask)
+    # a / (1 + 2^(-a log2 e)) (swiglu.LOG2E): swiglu._fwd's formula, so the two kernels round alike.
+    tl.store(Y + offs, (a / (1 + tl.exp2(a * -1.4426950408889634)) * b).to(Y.dtype.element_ty), mask=mask)
 
 
 def _swiglu_bwd_kernel(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
@@ -270,7 +270,7 @@ def _swiglu_bwd_kernel(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    s = 1 / (1 + tl.exp(-a))
+    s = 1 / (1 + tl.exp2(a * -1.4426950408889634))
     gs = g * s
     tl.store(DA + offs, (gs * b * (1 + a - a * s)).to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, (gs * a).to(DB.dtype.element_ty), mask=mask)

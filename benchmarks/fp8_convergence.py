@@ -64,15 +64,18 @@ JUDGED = ("blockwise", "current")
 # on CPU it reproduced the BF16 run bit for bit over 350 steps.)
 # blockwise-fwd / blockwise-bwd: blockwise with only the forward GEMM, or only the two backward
 # GEMMs, in FP8 (`precision.fp8_high_precision`): which side of the step a gap comes from.
-CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd")
+# blockwise-ends: blockwise with the first and the last block in BF16 (Megatron's
+# --first-last-layers-bf16 at its default of one each; `precision.fp8_bf16_*_layers`).
+CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd", "blockwise-ends")
 SPLIT_CONTROLS = {"blockwise-fwd": ["dgrad", "wgrad"], "blockwise-bwd": ["fprop"]}
+END_CONTROLS = {"blockwise-ends": 1}
 BF16_REPEATS = ("bf16-refops",)
 BENCH_FILE = "bench.json"  # what this benchmark asked of the run, and the wall time it took
 
 
 def fp8_of(recipe: str) -> str:
     """`precision.fp8` of a contender: the recipe itself, its split controls' recipe, or none."""
-    if recipe in SPLIT_CONTROLS:
+    if recipe in SPLIT_CONTROLS or recipe in END_CONTROLS:
         return recipe.split("-")[0]
     return recipe if recipe in RECIPES[1:] else "none"
 
@@ -101,6 +104,9 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
         cmd += ["--ops.fused", "false"]
     if recipe in SPLIT_CONTROLS:
         cmd += ["--precision.fp8_high_precision", json.dumps(SPLIT_CONTROLS[recipe])]
+    if recipe in END_CONTROLS:
+        n = str(END_CONTROLS[recipe])
+        cmd += ["--precision.fp8_bf16_first_layers", n, "--precision.fp8_bf16_last_layers", n]
     if args.micro_batch:
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:

@@ -183,6 +183,16 @@ class PrecisionConfig:
         "(TE's override_linear_precision; ['wgrad'] is Megatron's --no-fp8-wgrad)",
         factory=list,
     )
+    fp8_bf16_first_layers: int = knob(
+        0,
+        "under fp8, the first N transformer blocks keep every linear in high precision "
+        "(Megatron's --first-last-layers-bf16 with --num-layers-at-start-in-bf16)",
+    )
+    fp8_bf16_last_layers: int = knob(
+        0,
+        "under fp8, the last N transformer blocks keep every linear in high precision "
+        "(Megatron's --num-layers-at-end-in-bf16)",
+    )
 
 
 @dataclass(frozen=True)
@@ -712,6 +722,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             )
     p.extend(_moe_problems(cfg))
     p.extend(_fp8_high_precision_problems(cfg.precision.fp8_high_precision))
+    p.extend(_fp8_layer_problems(cfg))
     if cfg.precision.fp8 != "none" and par.tp > 1 and not bad:
         p.extend(_fp8_tensor_parallel_problems(cfg))
     if p:
@@ -732,6 +743,23 @@ def _fp8_high_precision_problems(names: list[str]) -> list[str]:
         return [
             "precision.fp8_high_precision names all three GEMMs, which leaves nothing in "
             "FP8; set precision.fp8 = 'none' instead"
+        ]
+    return []
+
+
+def _fp8_layer_problems(cfg: JobConfig) -> list[str]:
+    p8, n = cfg.precision, cfg.model.n_layers
+    first, last = p8.fp8_bf16_first_layers, p8.fp8_bf16_last_layers
+    if first < 0 or last < 0:
+        return [
+            f"precision.fp8_bf16_first_layers ({first}) and fp8_bf16_last_layers ({last}) "
+            f"count transformer blocks: 0 or more"
+        ]
+    if p8.fp8 != "none" and first + last >= n:
+        return [
+            f"precision.fp8_bf16_first_layers + fp8_bf16_last_layers = {first + last} keeps "
+            f"all {n} blocks in high precision, which leaves nothing in FP8; set "
+            f"precision.fp8 = 'none' instead"
         ]
     return []
 

@@ -4,6 +4,7 @@ data parallelism, and layout-free state for checkpoints."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from hyperloom.config import JobConfig
 from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
@@ -19,6 +20,20 @@ from hyperloom.parallel.parallelize import (
 )
 
 
+def apply_fp8(model: nn.Module, cfg: JobConfig) -> None:
+    """Swap in FP8 linears as `precision` says (a whole model or one pipeline chunk, on the
+    meta device, before tp): the recipe with its GEMM overrides, the `fp8_keep` patterns,
+    and the first/last `fp8_bf16_*_layers` blocks kept whole in high precision. Blocks are
+    `layers.N` by global index in every family and in pipeline chunks alike."""
+    p8 = cfg.precision
+    if p8.fp8 == "none":
+        return
+    n = cfg.model.n_layers
+    ends = [*range(p8.fp8_bf16_first_layers), *range(n - p8.fp8_bf16_last_layers, n)]
+    keep = [*p8.fp8_keep, *(f"layers.{i}.*" for i in ends)]
+    convert_to_fp8(model, recipe_from_name(p8.fp8, p8.fp8_high_precision), keep=keep)
+
+
 def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
     """Build the job's model on the meta device, swap in FP8 linears (precision.fp8), apply
     TP/SP, then EP (each rank keeps its E / ep experts), initialise, wrap for DP.
@@ -28,9 +43,7 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
     from the same weights.
     """
     model = build_model(cfg.model)
-    p8 = cfg.precision
-    if p8.fp8 != "none":
-        convert_to_fp8(model, recipe_from_name(p8.fp8, p8.fp8_high_precision), keep=p8.fp8_keep)
+    apply_fp8(model, cfg)
     sp_params = []
     if mesh.size("tp") > 1:
         sp_params = apply_tensor_parallel(

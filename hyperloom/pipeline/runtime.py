@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
-from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name, reset_fp8_state
+from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.fp8.convert import (
     fp8_buffers,
     fp8_state_dict,
@@ -57,6 +57,7 @@ from hyperloom.engine.fp8.convert import (
     load_fp8_state_dict,
 )
 from hyperloom.models.registry import build_model, family
+from hyperloom.parallel import apply_fp8
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
 from hyperloom.parallel.parallelize import (
@@ -390,9 +391,7 @@ def build_pipeline(
     ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
     for c in mine:
         chunk = cut(c)
-        p8 = cfg.precision
-        if p8.fp8 != "none":  # before tp, as `parallelize` does
-            convert_to_fp8(chunk, recipe_from_name(p8.fp8, p8.fp8_high_precision), p8.fp8_keep)
+        apply_fp8(chunk, cfg)  # before tp, as `parallelize` does
         if tp > 1:
             sp = apply_tensor_parallel(
                 chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True

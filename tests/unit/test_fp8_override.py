@@ -140,3 +140,59 @@ def test_bad_config_names_are_refused(names, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["--precision.fp8_high_precision", str(names).replace("'", '"')], 1)
+
+
+def _tiny_fp8_job(*extra: str):
+    from hyperloom.config import load_config
+
+    return load_config(
+        None,
+        ["--model.preset", "tiny", "--model.n_layers", "4", "--model.dim", "64",
+         "--model.n_heads", "2", "--model.n_kv_heads", "1", "--model.ffn_dim", "128",
+         "--model.vocab_size", "256", "--precision.fp8", "blockwise", "--train.device", "cpu",
+         *extra],
+        world_size=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "first,last,fp8_blocks", [(0, 0, {0, 1, 2, 3}), (1, 1, {1, 2}), (2, 0, {2, 3}), (0, 3, {0})]
+)
+def test_first_and_last_blocks_stay_high_precision(first, last, fp8_blocks):
+    """Megatron's --num-layers-at-start/end-in-bf16: those blocks keep plain linears (every
+    one of them), the others convert; embedding and head stay as fp8_keep says."""
+    from torch import nn
+
+    from hyperloom.accelerator import get_accelerator
+    from hyperloom.engine.fp8.convert import fp8_modules
+    from hyperloom.parallel import parallelize
+    from hyperloom.parallel.mesh import build_mesh
+
+    cfg = _tiny_fp8_job(
+        "--precision.fp8_bf16_first_layers", str(first),
+        "--precision.fp8_bf16_last_layers", str(last),
+    )  # fmt: skip
+    acc = get_accelerator("cpu")
+    model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+    converted = {int(name.split(".")[1]) for name, _ in fp8_modules(model)}
+    assert converted == fp8_blocks
+    for i, block in model.layers.items():
+        plain = [n for n, m in block.named_modules() if type(m) is nn.Linear]
+        assert bool(plain) == (int(i) not in fp8_blocks), (i, plain)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--precision.fp8_bf16_first_layers", "-1"], "0 or more"),
+        (["--precision.fp8_bf16_first_layers", "2", "--precision.fp8_bf16_last_layers", "2"],
+         "keeps all 4 blocks"),
+    ],
+)  # fmt: skip
+def test_bad_layer_counts_are_refused(extra, match):
+    from hyperloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        _tiny_fp8_job(*extra)
+    if "-1" not in extra:  # without fp8 the counts have nothing to keep out of it
+        _tiny_fp8_job(*extra, "--precision.fp8", "none")

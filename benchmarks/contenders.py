@@ -61,6 +61,10 @@ class Spec:
     device: str
     seed: int = 1234
     ops: OpsConfig = OpsConfig()  # hyperloom's operators (fused by default)
+    # On CPU: glibc's policy for large blocks (`accelerator.configure_host_allocator`), set in
+    # the worker before anything is built. None: each contender's own (hyperloom's trainer
+    # sets "cache", the plain and HF loops leave malloc as it is).
+    host_allocator: str | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -77,6 +81,7 @@ class Spec:
                 device=self.device,
                 steps=self.warmup + self.steps,
                 eval_batches=1,
+                **({"host_allocator": self.host_allocator} if self.host_allocator else {}),
             ),
             data=DataConfig(seq_len=self.seq_len),
             ops=self.ops,

@@ -39,7 +39,7 @@ import machine  # benchmarks/ is on sys.path (scripts run from there)
 import torch
 from contenders import CONTENDERS, PARITY_TOL, Spec, build_runner, check_parity
 
-from hyperloom.accelerator import get_accelerator
+from hyperloom.accelerator import configure_host_allocator, get_accelerator
 from hyperloom.config import DataConfig, ModelConfig, PrecisionConfig, TrainConfig
 
 NOISE_TOL = 0.03  # hyperloom counts as "not slower" down to 97% of a baseline's tokens/s
@@ -55,6 +55,8 @@ def run_one(name: str, spec: Spec) -> dict[str, Any]:
     """Worker: build one contender, warm it up, time `spec.steps` steps. Runs in a fresh process."""
     torch.set_num_threads(spec.threads)
     acc = get_accelerator(spec.device)
+    if spec.host_allocator is not None and acc.kind == "cpu":
+        configure_host_allocator(spec.host_allocator)
     t_setup = time.perf_counter()
     model, step = build_runner(name, spec, acc)
     setup_s = time.perf_counter() - t_setup

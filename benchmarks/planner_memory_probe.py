@@ -8,6 +8,10 @@ the live bytes between steps; the gap between the two peaks is what the allocato
 resident (`hyperloom/planner/host_memory.py`). Results in docs/planner.md section 4.
 
     python benchmarks/planner_memory_probe.py --layout tp2 [--steps 4] [--out FILE]
+    python benchmarks/planner_memory_probe.py --layout all     # every layout, one table
+
+Beside each layout's peaks it puts the memory model's live estimate for the job (no
+allocator terms): how well the planner counts tensors, apart from what the heap keeps.
 
 Memory only: timing from this script means nothing (the sampler runs Python per operator).
 """
@@ -91,26 +95,23 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(HERE))
-    import machine
-    from planner_validation import CONFIGS
-    from rich.console import Console
-    from rich.table import Table
+def predicted_live_bytes(nproc: int, overrides: list[str]) -> float:
+    """The memory model's live peak (max over ranks) for the layout, no allocator terms."""
+    from hyperloom.config import load_config
+    from hyperloom.planner.hardware import Accelerator
+    from hyperloom.planner.selfcheck import CPU_PROFILE, self_check
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", required=True, choices=[c[0] for c in CONFIGS])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--out", default=str(HERE / "results" / "planner_memory_probe.json"))
-    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    name, nproc, overrides = next(c for c in CONFIGS if c[0] == args.layout)
-    out = Path(args.out).with_suffix("")
-    if args.rank_worker:
-        _rank(name, overrides, args.steps, out)
-        return 0
-    me = [str(Path(__file__).resolve()), "--layout", name, "--steps", str(args.steps)]
-    me += ["--out", args.out, "--rank-worker"]
+    job = load_config(HERE.parent / "configs" / "tiny.toml", overrides, world_size=nproc)
+    neutral = Accelerator(CPU_PROFILE, bf16_tflops=1.0, fp8_tflops=0.0, hbm_gib=1024.0,
+                          hbm_gbs=1.0, gemm_eff=1.0)  # fmt: skip
+    return self_check(job, neutral, nproc, None, None)["predicted_live_memory_gb"] * 1e9
+
+
+def probe(name: str, nproc: int, steps: int, results: str) -> list[dict]:
+    """Every rank's record for one layout (each rank a fresh process, under torchrun)."""
+    out = Path(results).with_suffix("")
+    me = [str(Path(__file__).resolve()), "--layout", name, "--steps", str(steps)]
+    me += ["--out", results, "--rank-worker"]
     launch = [sys.executable] + (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         if nproc > 1
@@ -120,21 +121,56 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(nproc)]
     for r in range(nproc):
         Path(f"{out}.rank{r}").unlink()
-    table = Table(title=f"{name}: bytes above the trainer's pre-model baseline, MB")
-    for col in ("rank", "resident peak", "live peak", "resident / live", "live between steps"):
-        table.add_column(col, justify="right")
-    for r in ranks:
-        table.add_row(
-            str(r["rank"]),
-            f"{r['resident_peak'] / 1e6:.0f}",
-            f"{r['live_peak_last_step'] / 1e6:.0f}",
-            f"{r['resident_over_live']:.2f}",
-            f"{r['steps'][-1]['live_between_steps'] / 1e6:.0f}",
-        )
-    Console().print(table)
+    return ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(HERE))
+    import machine
+    from planner_validation import CONFIGS
+    from rich.console import Console
+    from rich.table import Table
+
+    names = [c[0] for c in CONFIGS]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layout", required=True, help=f"'all' or comma-separated: {names}")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", default=str(HERE / "results" / "planner_memory_probe.json"))
+    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    chosen = names if args.layout == "all" else args.layout.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        p.error(f"unknown layout(s) {unknown}; choose from {names} or 'all'")
+    if args.rank_worker:
+        _, _, overrides = next(c for c in CONFIGS if c[0] == chosen[0])
+        _rank(chosen[0], overrides, args.steps, Path(args.out).with_suffix(""))
+        return 0
     results = Path(args.out)
     done = json.loads(results.read_text()) if results.exists() else {}
-    done[name] = ranks
+    table = Table(title="bytes above the trainer's pre-model baseline, MB (per rank)")
+    for col in ("layout", "rank", "resident peak", "live peak", "resident / live",
+                "live predicted", "prediction error"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for name, nproc, overrides in (c for c in CONFIGS if c[0] in chosen):
+        Console().print(f"{name} on {nproc} process(es) ...")
+        ranks = probe(name, nproc, args.steps, args.out)
+        predicted = predicted_live_bytes(nproc, overrides)
+        top = max(r["live_peak_last_step"] for r in ranks)
+        for r in ranks:
+            r["predicted_live_max_rank"] = predicted
+            r["prediction_error_max_rank"] = predicted / top - 1
+            table.add_row(
+                name,
+                str(r["rank"]),
+                f"{r['resident_peak'] / 1e6:.0f}",
+                f"{r['live_peak_last_step'] / 1e6:.0f}",
+                f"{r['resident_over_live']:.2f}",
+                f"{predicted / 1e6:.0f}" if r["live_peak_last_step"] == top else "",
+                f"{predicted / top - 1:+.1%}" if r["live_peak_last_step"] == top else "",
+            )
+        done[name] = ranks
+    Console().print(table)
     machine.write_results(results, done)
     return 0
 

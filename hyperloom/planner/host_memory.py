@@ -184,3 +184,48 @@ def measure_allocator_retention(steps: int = 4, policy: str = "cache") -> dict[s
         "allocator retention",
         env={"OMP_NUM_THREADS": "1"},
     )
+
+
+def _runtime_entry(policy: str) -> dict[str, float]:
+    """In a fresh interpreter: glibc's live bytes the operators' compiled kernels keep after a
+    small model's first training steps, once every tensor is gone."""
+    import gc
+
+    import torch
+
+    from hyperloom.accelerator import configure_host_allocator
+    from hyperloom.config import ModelConfig
+    from hyperloom.engine.ops import OpImpls, use_ops
+    from hyperloom.engine.ops.kernels import preload_triton
+    from hyperloom.models.registry import init_model
+
+    configure_host_allocator(policy)
+    preload_triton()  # the trainer imports it before its baseline too
+    if live_heap_bytes() is None:
+        return {}
+    gc.collect()
+    base = live_heap_bytes()
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=512)
+    model = init_model(cfg, "cpu", 0)
+    use_ops(model, OpImpls.choose())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+    del model, tokens, loss
+    gc.collect()
+    return {"runtime_bytes": float(live_heap_bytes() - base)}
+
+
+def measure_runtime_bytes(policy: str = "cache") -> float | None:
+    """Heap bytes a process keeps for the compiled operator kernels (Inductor's graphs, guards
+    and generated code's bookkeeping): a fixed share of every rank that compiles, whatever
+    the model. None where it cannot be measured."""
+    got = in_fresh_process(
+        "hyperloom.planner.host_memory._runtime_entry",
+        [policy],
+        "compiled-kernel runtime bytes",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    return got.get("runtime_bytes")

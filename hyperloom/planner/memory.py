@@ -40,7 +40,19 @@ self-check's runtime): the fused, chunked cross-entropy, which saves no logits b
 gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
 (`ce_working_bytes`). A CPU profile's ``host_alloc_factor`` (measured by `plan calibrate`,
 `host_memory.py`) turns the live peak into resident bytes: `Memory.allocator` is the
-difference, 0 on devices.
+difference, 0 on devices; its ``host_runtime_bytes`` (the heap the compiled operator kernels
+keep) count as live (`Memory.runtime`).
+
+Gradients at the activation peak (`grads_at_peak`): Megatron keeps persistent FP32 gradient
+buffers, so all of them count. hyperloom's trainer sets them to None after every step, and
+a rank reaches its peak at the start of its first backward: a single micro-batch, or a
+pipeline schedule's warm-up, which fills the in-flight units before the rank's first
+backward. So only the gradients the forward formed (the fused loss's head gradient) count,
+unless something holds all of them: DDP's bucket views, ZeRO-1's flat buffer, or
+accumulation over micro-batches without a pipeline. The step's own peak (`step_peak`) counts
+all of them either way. Measured against glibc's sampled live bytes on the 12 validation
+layouts (`benchmarks/planner_memory_probe.py`, docs/planner.md section 4): -14% to +10%
+with every gradient counted, +2% to +9% (pipelines -3% to +9%) this way.
 """
 
 from __future__ import annotations
@@ -66,6 +78,10 @@ class Memory:
     buffers: float = 0.0  # autocast/FP8 weight copies, DDP buckets, FSDP gathers
     step_peak: float = 0.0  # states + optimizer-step temporaries (activations freed)
     allocator: float = 0.0  # host allocator's freed-but-resident pages (CPU, host_memory.py)
+    # Gradient bytes held at the activation peak, where they differ from `grads`
+    # (`grads_at_peak`); None: all of them.
+    peak_grads: float | None = None
+    runtime: float = 0.0  # the compiled kernels' own heap (CPU profiles, host_memory.py)
 
     @property
     def states(self) -> float:
@@ -74,8 +90,9 @@ class Memory:
     @property
     def live(self) -> float:
         """Peak bytes held by tensors."""
-        run = self.states + self.activations + self.transient + self.buffers
-        return max(run, self.step_peak)
+        grads = self.grads if self.peak_grads is None else self.peak_grads
+        run = self.params + grads + self.optimizer + self.activations + self.transient
+        return max(run + self.buffers, self.step_peak) + self.runtime
 
     @property
     def peak(self) -> float:
@@ -88,6 +105,8 @@ class Memory:
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
         d.update(states=self.states, live=self.live, peak=self.peak, reserved=self.reserved)
+        if self.peak_grads is None:
+            d["peak_grads"] = self.grads
         return d
 
 
@@ -206,6 +225,31 @@ def dispatch_buffer(layer: Layer, spec: ModelSpec, s: Strategy) -> float:
     return layer.dispatch_bytes * (1.0 + spec.moe_imbalance)
 
 
+def grads_at_peak(
+    spec: ModelSpec, s: Strategy, rt: Runtime, grads: float, last_chunk: bool
+) -> float | None:
+    """Gradient bytes a rank holds at its activation peak when the runtime frees them every
+    step (`Runtime.grads_freed_each_step`), None when all of them are held (Megatron's
+    persistent gradient buffers).
+
+    A single micro-batch peaks at the start of its backward, before any gradient exists but
+    those the forward formed: the fused loss's head gradient on the last chunk. A pipeline's
+    warm-up does the same: it fills the rank's in-flight units before its first backward.
+    DDP's bucket views (ZeRO-1's flat buffer) keep every gradient allocated, and accumulation
+    over micro-batches without a pipeline (grad_accum) holds them from the first backward on;
+    the fused loss's head gradient then comes on top until the backward adds it in. Measured on the 2-core container with glibc's live bytes
+    (`benchmarks/planner_memory_probe.py`): one process held 540 MB at its peak with micro-batch
+    4, the same job under DDP over two ranks 628 MB -- the 88 MB of FP32 gradients."""
+    if not rt.grads_freed_each_step:
+        return None
+    head = 0.0
+    if last_chunk and rt.fused_cross_entropy and not spec.tie_embeddings:
+        head = rt.grad_bytes * spec.embedding_params() / s.tp
+    # pipelines: the warm-up reaches the peak before the rank's first backward
+    held = (s.dp > 1 and s.zero in (0, 1)) or (s.pp == 1 and s.microbatches > 1)
+    return (grads if held else 0.0) + head
+
+
 def rank_memory(
     spec: ModelSpec,
     s: Strategy,
@@ -219,12 +263,14 @@ def rank_memory(
     w_pending: int,
     chunk_experts: list[float] | None = None,
     host_alloc_factor: float = 1.0,
+    host_runtime_bytes: float = 0.0,
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
     that is local routed experts (ep > 1); `host_alloc_factor` is the accelerator profile's
-    resident-over-live ratio (CPU allocator retention, 1 on devices)."""
+    resident-over-live ratio (CPU allocator retention, 1 on devices) and `host_runtime_bytes`
+    its compiled kernels' heap (0 on devices)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
@@ -280,6 +326,8 @@ def rank_memory(
         transient=transient,
         buffers=buffers,
         step_peak=step_peak,
+        peak_grads=grads_at_peak(spec, s, rt, g, last in chunks),
+        runtime=host_runtime_bytes,
     )
     if host_alloc_factor == 1.0:
         return live

@@ -81,6 +81,9 @@ class Runtime:
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
     autocast_per_op: bool = False  # FP32 norm in/out, a BF16 input cast per linear (job_runtime)
     ddp_bucket_copy: bool = False  # DDP buckets duplicate the gradients (no bucket views)
+    # Gradients set to None after every step (`zero_grad(set_to_none=True)`): a single
+    # micro-batch's activation peak holds only those formed in the forward (`memory.py`).
+    grads_freed_each_step: bool = False
     fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
     sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
     tp_overlap: float = 0.0  # fraction of TP comm hidden behind GEMMs
@@ -117,7 +120,7 @@ def job_runtime(fused_cross_entropy: bool = True, base: str = "hyperloom") -> Ru
 
 
 RUNTIMES = {
-    "hyperloom": Runtime("hyperloom"),
+    "hyperloom": Runtime("hyperloom", grads_freed_each_step=True),
     "megatron": Runtime(
         "megatron",
         param_bytes=2,

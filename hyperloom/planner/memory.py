@@ -52,7 +52,7 @@ unless something holds all of them: DDP's bucket views, ZeRO-1's flat buffer, or
 accumulation over micro-batches without a pipeline. The step's own peak (`step_peak`) counts
 all of them either way. Measured against glibc's sampled live bytes on the 12 validation
 layouts (`benchmarks/planner_memory_probe.py`, docs/planner.md section 4): -14% to +10%
-with every gradient counted, +2% to +9% (pipelines -3% to +9%) this way.
+with every gradient counted, -3% to +10% this way (with the 58 MB of compiled-kernel heap).
 """
 
 from __future__ import annotations

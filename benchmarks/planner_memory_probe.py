@@ -3,7 +3,7 @@
 The training self-check compares the planner with peak RSS (VmHWM) above the trainer's
 pre-model baseline. This probe runs the same trainer for one layout of
 `planner_validation.py` and, per rank, records beside VmHWM glibc's live bytes (`mallinfo2`:
-heap chunks in use plus mmapped chunks) sampled after every operator of the last step, and
+heap chunks in use plus mmapped chunks) polled every 0.1 ms through the last step, and
 the live bytes between steps; the gap between the two peaks is what the allocator keeps
 resident (`hyperloom/planner/host_memory.py`). Results in docs/planner.md section 4.
 
@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -34,17 +35,29 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
 
     from hyperloom.accelerator import Accelerator, peak_rss_bytes, reset_peak_rss
     from hyperloom.config import load_config
-    from hyperloom.engine.ops.memory import AllocationTracker
     from hyperloom.planner.host_memory import live_heap_bytes
     from hyperloom.train.trainer import Trainer
 
-    class Sampler(AllocationTracker):  # new tensor bytes, and the live heap after every op
+    class Sampler:
+        """glibc's live bytes polled from a thread while the step runs. Not a dispatch mode:
+        under one, torch.compile runs the compiled kernels' Python bodies instead (their
+        float32 temporaries would count)."""
+
         peak_live = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = super().__torch_dispatch__(func, types, args, kwargs)
-            Sampler.peak_live = max(Sampler.peak_live, live_heap_bytes() or 0)
-            return result
+        def __enter__(self):
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self.poll, daemon=True)
+            self.thread.start()
+
+        def poll(self):
+            while not self.stop.is_set():
+                Sampler.peak_live = max(Sampler.peak_live, live_heap_bytes() or 0)
+                self.stop.wait(1e-4)
+
+        def __exit__(self, *exc):
+            self.stop.set()
+            self.thread.join()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = out.parent / f"{out.stem}-run"

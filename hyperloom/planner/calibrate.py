@@ -23,8 +23,7 @@ runs it -- not a microbenchmark's best case:
   few sequence lengths (same tokens each), as fractions of the GEMM peak on their causal
   FLOPs, in ``attn_table`` (flash kernels speed up with longer rows);
 - on CPU, the allocator's retention: peak RSS over peak live bytes of a training-shaped
-  loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``, and the heap
-  the compiled operator kernels keep, stored as ``host_runtime_bytes``;
+  loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``;
 - collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
   processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
   least squares, giving the scale-up bandwidth B and per-step latency alpha. One machine has
@@ -455,12 +454,9 @@ def calibrate(
         "layer_overhead_s": layer_overhead,
         "attention_tflops": [{"seq": q, "forward": f, "backward": b} for q, f, b in attn],
     }
-    host_factor, runtime_bytes = 1.0, 0.0
+    host_factor = 1.0
     if cpu:
-        from hyperloom.planner.host_memory import (
-            measure_allocator_retention,
-            measure_runtime_bytes,
-        )
+        from hyperloom.planner.host_memory import measure_allocator_retention
 
         # the resident peak of one fresh process moves by ~10% from run to run: the median
         # of three processes when not quick
@@ -473,9 +469,6 @@ def calibrate(
         raw["allocator_retention"] = runs
         if runs:
             host_factor = statistics.median(r["factor"] for r in runs)
-        say("compiled-kernel runtime heap")
-        runtime_bytes = measure_runtime_bytes(policy=host_allocator) or 0.0
-        raw["host_runtime_bytes"] = runtime_bytes
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
     coll_scale: tuple[tuple[str, float], ...] = ()
     if collectives and world > 1:
@@ -503,7 +496,6 @@ def calibrate(
         inter_latency_us=link["intra_latency_us"],
         gpus_per_node=world,
         host_alloc_factor=host_factor,
-        host_runtime_bytes=runtime_bytes,
         source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
         gemm_table=tuple((s, t / peak) for s, t in gemms),
         elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
@@ -535,8 +527,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{profile.attn_bwd_eff:.0%} of peak, all-reduce "
         f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step"
         + (
-            f", host allocator {profile.host_alloc_factor:.2f}x resident/live, compiled "
-            f"kernels {profile.host_runtime_bytes / 1e6:.0f} MB"
+            f", host allocator {profile.host_alloc_factor:.2f}x resident/live"
             if profile.host_alloc_factor != 1.0
             else ""
         )

@@ -77,10 +77,6 @@ class Accelerator:
     # Resident bytes per live byte at a rank's peak: a CPU allocator's freed-but-kept pages
     # (measured by `plan calibrate`, `host_memory.py`); 1.0 for device memory.
     host_alloc_factor: float = 1.0
-    # Heap bytes every rank that compiles keeps for the compiled operator kernels (Inductor's
-    # graphs and bookkeeping), measured by `plan calibrate` on CPU (`host_memory.py`); 0 on
-    # the datasheet profiles.
-    host_runtime_bytes: float = 0.0
     source: str = ""
     # Calibrated GEMM efficiencies: ((m, n, k), eff) pairs, nearest shape wins.
     gemm_table: tuple[tuple[tuple[int, int, int], float], ...] = field(default=())
@@ -99,10 +95,6 @@ class Accelerator:
     # accounts for: Python, the dispatcher, autograd, kernel launches. `calibrate` measures
     # it (`measure_layer_overhead`); 0 for the datasheet profiles (large layers hide it).
     layer_overhead_s: float = 0.0
-
-    def host_terms(self) -> tuple[float, float]:
-        """(host_alloc_factor, host_runtime_bytes): what a CPU rank keeps beyond its tensors."""
-        return self.host_alloc_factor, self.host_runtime_bytes
 
     @property
     def supports_fp8(self) -> bool:

@@ -40,8 +40,7 @@ self-check's runtime): the fused, chunked cross-entropy, which saves no logits b
 gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
 (`ce_working_bytes`). A CPU profile's ``host_alloc_factor`` (measured by `plan calibrate`,
 `host_memory.py`) turns the live peak into resident bytes: `Memory.allocator` is the
-difference, 0 on devices; its ``host_runtime_bytes`` (the heap the compiled operator kernels
-keep) count as live (`Memory.runtime`).
+difference, 0 on devices.
 
 Gradients at the activation peak (`grads_at_peak`): Megatron keeps persistent FP32 gradient
 buffers, so all of them count. hyperloom's trainer sets them to None after every step, and
@@ -50,9 +49,9 @@ pipeline schedule's warm-up, which fills the in-flight units before the rank's f
 backward. So only the gradients the forward formed (the fused loss's head gradient) count,
 unless something holds all of them: DDP's bucket views, ZeRO-1's flat buffer, or
 accumulation over micro-batches without a pipeline. The step's own peak (`step_peak`) counts
-all of them either way. Measured against glibc's sampled live bytes on the 12 validation
-layouts (`benchmarks/planner_memory_probe.py`, docs/planner.md section 4): -14% to +10%
-with every gradient counted, -3% to +10% this way (with the 58 MB of compiled-kernel heap).
+all of them either way. Measured against glibc's live bytes polled through a step on the 12
+validation layouts (`benchmarks/planner_memory_probe.py`, docs/planner.md section 4): 11 of
+12 within 10% this way (-11.8% to +7.5%).
 """
 
 from __future__ import annotations
@@ -81,7 +80,6 @@ class Memory:
     # Gradient bytes held at the activation peak, where they differ from `grads`
     # (`grads_at_peak`); None: all of them.
     peak_grads: float | None = None
-    runtime: float = 0.0  # the compiled kernels' own heap (CPU profiles, host_memory.py)
 
     @property
     def states(self) -> float:
@@ -92,7 +90,7 @@ class Memory:
         """Peak bytes held by tensors."""
         grads = self.grads if self.peak_grads is None else self.peak_grads
         run = self.params + grads + self.optimizer + self.activations + self.transient
-        return max(run + self.buffers, self.step_peak) + self.runtime
+        return max(run + self.buffers, self.step_peak)
 
     @property
     def peak(self) -> float:
@@ -263,14 +261,12 @@ def rank_memory(
     w_pending: int,
     chunk_experts: list[float] | None = None,
     host_alloc_factor: float = 1.0,
-    host_runtime_bytes: float = 0.0,
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
     that is local routed experts (ep > 1); `host_alloc_factor` is the accelerator profile's
-    resident-over-live ratio (CPU allocator retention, 1 on devices) and `host_runtime_bytes`
-    its compiled kernels' heap (0 on devices)."""
+    resident-over-live ratio (CPU allocator retention, 1 on devices)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
@@ -327,7 +323,6 @@ def rank_memory(
         buffers=buffers,
         step_peak=step_peak,
         peak_grads=grads_at_peak(spec, s, rt, g, last in chunks),
-        runtime=host_runtime_bytes,
     )
     if host_alloc_factor == 1.0:
         return live

@@ -173,8 +173,6 @@ def self_check(
             hbm_gbs=profile.hbm_gbs * compute_share,
         )
 
-    if not ((job.ops.fused and job.ops.compile) or job.train.compile):
-        profile = dataclasses.replace(profile, host_runtime_bytes=0.0)  # nothing compiles
     spec = ModelSpec.from_model_config(job.model, job.model.preset)
     strategy = job_strategy(job)
     cluster = Cluster(profile, world, gpus_per_node=world)
@@ -197,7 +195,6 @@ def self_check(
         "predicted_peak_memory_gb": plan.peak_memory / 1e9,
         "predicted_live_memory_gb": max(m.live for m in plan.memory) / 1e9,
         "plan_host_alloc_factor": profile.host_alloc_factor,
-        "plan_host_runtime_bytes": profile.host_runtime_bytes,
         "measured_peak_memory_gb": None
         if measured_peak_bytes is None
         else measured_peak_bytes / 1e9,

@@ -320,10 +320,9 @@ def memory_per_rank(
     prep: Prepared,
     ranks: tuple[int, ...] | None = None,
     host_alloc_factor: float = 1.0,
-    host_runtime_bytes: float = 0.0,
 ) -> list[Memory]:
     """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last);
-    `host_alloc_factor` and `host_runtime_bytes` from the accelerator profile."""
+    `host_alloc_factor` from the accelerator profile (`Accelerator.host_alloc_factor`)."""
     _, in_flight, w_pending = prep.structure()
     return [
         rank_memory(
@@ -339,7 +338,6 @@ def memory_per_rank(
             w_pending[r],
             list(prep.experts),
             host_alloc_factor,
-            host_runtime_bytes,
         )
         for r in (range(s.pp) if ranks is None else ranks)
     ]
@@ -476,7 +474,7 @@ def predict(
         step_time=step,
         bubble_fraction=1.0 - busy_all / (s.pp * makespan) if makespan else 0.0,
         mfu=flops / (step * cluster.gpus * cluster.accel.bf16_tflops * 1e12),
-        memory=memory_per_rank(spec, s, seq, rt, prep, None, *cluster.accel.host_terms()),
+        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.accel.host_alloc_factor),
         capacity=(cluster.accel.hbm_gib - margin_gib) * GIB,
         breakdown=parts[finish.index(step)],
         simulated_microbatches=m_runs[0],

@@ -192,34 +192,12 @@ def test_gradients_at_the_activation_peak_follow_what_holds_them():
     assert _peak_grads("megatron") is None  # persistent main-grad buffers: all of them
 
 
-def test_peak_gradients_and_runtime_bytes_enter_the_live_peak_only():
+def test_peak_gradients_enter_the_live_peak_only():
     from hyperloom.planner.memory import Memory
 
     m = Memory(params=10, grads=8, optimizer=20, activations=30, transient=2, buffers=1,
-               step_peak=40, peak_grads=3, runtime=5)  # fmt: skip
-    assert m.live == pytest.approx(10 + 3 + 20 + 30 + 2 + 1 + 5)
+               step_peak=40, peak_grads=3)  # fmt: skip
+    assert m.live == pytest.approx(10 + 3 + 20 + 30 + 2 + 1)
     assert m.states == 38  # the optimizer step holds every gradient
-    assert Memory(params=10, grads=8, step_peak=100, runtime=5).live == 105
+    assert Memory(params=10, grads=8, step_peak=100).live == 100
     assert m.to_dict()["peak_grads"] == 3 and Memory(grads=8).to_dict()["peak_grads"] == 8
-
-
-def test_runtime_bytes_count_only_for_jobs_that_compile():
-    from hyperloom.planner.selfcheck import CPU_PROFILE, self_check
-
-    cpu = dataclasses.replace(get_accelerator("h100"), name=CPU_PROFILE, host_runtime_bytes=5e7)
-    compiled = self_check(load_config(None, [], 1), cpu, 1, None, None)
-    eager = self_check(load_config(None, ["--ops.compile", "false"], 1), cpu, 1, None, None)
-    gap = compiled["predicted_live_memory_gb"] - eager["predicted_live_memory_gb"]
-    assert gap == pytest.approx(0.05, abs=1e-9)
-    assert compiled["plan_host_runtime_bytes"] == 5e7 and eager["plan_host_runtime_bytes"] == 0
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
-def test_compiled_kernel_runtime_bytes_are_measured_in_a_fresh_process():
-    from hyperloom.planner.host_memory import measure_runtime_bytes
-
-    got = measure_runtime_bytes()
-    if got is None:
-        pytest.skip("no glibc mallinfo2 here")
-    assert 1e6 < got < 1e9  # Inductor's graphs and guards: tens of MB on torch 2.13

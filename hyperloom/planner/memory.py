@@ -235,13 +235,14 @@ def grads_at_peak(
     warm-up does the same: it fills the rank's in-flight units before its first backward.
     DDP's bucket views (ZeRO-1's flat buffer) keep every gradient allocated, and accumulation
     over micro-batches without a pipeline (grad_accum) holds them from the first backward on;
-    the fused loss's head gradient then comes on top until the backward adds it in. Measured on the 2-core container with glibc's live bytes
-    (`benchmarks/planner_memory_probe.py`): one process held 540 MB at its peak with micro-batch
-    4, the same job under DDP over two ranks 628 MB -- the 88 MB of FP32 gradients."""
+    the fused loss's head gradient then comes on top until the backward adds it in. Measured
+    on the 2-core container, glibc's live bytes sampled after every operator: one process
+    peaked at 540 MB with micro-batch 4, the same job under DDP over two ranks at 628 MB --
+    the 88 MB of FP32 gradients."""
     if not rt.grads_freed_each_step:
         return None
     head = 0.0
-    if last_chunk and rt.fused_cross_entropy and not spec.tie_embeddings:
+    if last_chunk and rt.fused_cross_entropy:  # tied or not, the head's weight gradient
         head = rt.grad_bytes * spec.embedding_params() / s.tp
     # pipelines: the warm-up reaches the peak before the rank's first backward
     held = (s.dp > 1 and s.zero in (0, 1)) or (s.pp == 1 and s.microbatches > 1)

@@ -7,9 +7,10 @@ embedding, the output head, MoE routers/gates and norms keep their precision, si
 cheap and numerically sensitive; the attention core (softmax(QKᵀ)V) is not an `nn.Linear`
 and is never converted. Megatron's `--first-last-layers-bf16` (whole first / last transformer
 blocks in high precision) is `precision.fp8_bf16_first_layers` / `fp8_bf16_last_layers`, which
-the job turns into `layers.N.*` keep patterns (`hyperloom.parallel.apply_fp8`). MoE experts (stacked (E, out, in) weights, not `nn.Linear`) are
-switched to the engine's FP8 grouped linear (every recipe, delayed with per-expert
-histories); a keep pattern such as "*experts*" keeps them in BF16. The DeepSeek router is a
+the job turns into `layers.N.*` keep patterns (`hyperloom.parallel.apply_fp8`). MoE experts
+(stacked (E, out, in) weights, not `nn.Linear`) are switched to the engine's FP8 grouped
+linear (every recipe, delayed with per-expert histories); a keep pattern such as
+"*experts*" keeps them in BF16. The DeepSeek router is a
 float32 `F.linear` on its own parameter and never converts. Conversion runs on the
 meta-device model before parallelization, and reuses each layer's Parameter objects, so
 parameter names (state dicts, tensor-parallel shard specs) do not change.

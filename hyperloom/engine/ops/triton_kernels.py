@@ -260,8 +260,10 @@ def _swiglu_fwd_kernel(A, B, Y, n, BLOCK: tl.constexpr):
     mask = offs < n
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    # a / (1 + 2^(-a log2 e)) (swiglu.LOG2E): swiglu._fwd's formula, so the two kernels round alike.
-    tl.store(Y + offs, (a / (1 + tl.exp2(a * -1.4426950408889634)) * b).to(Y.dtype.element_ty), mask=mask)
+    # a / (1 + 2^(-a log2 e)), log2 e = swiglu.LOG2E: swiglu._fwd's formula, so the two
+    # kernels round alike.
+    y = a / (1 + tl.exp2(a * -1.4426950408889634)) * b
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _swiglu_bwd_kernel(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):

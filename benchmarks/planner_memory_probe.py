@@ -13,7 +13,8 @@ resident (`hyperloom/planner/host_memory.py`). Results in docs/planner.md sectio
 Beside each layout's peaks it puts the memory model's live estimate for the job (no
 allocator terms): how well the planner counts tensors, apart from what the heap keeps.
 
-Memory only: timing from this script means nothing (the sampler runs Python per operator).
+Memory only: timing from this script means nothing (a thread polls the heap while the steps
+run, and the probe's ranks share the machine with it).
 """
 
 from __future__ import annotations

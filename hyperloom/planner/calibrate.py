@@ -26,7 +26,9 @@ runs it -- not a microbenchmark's best case:
   loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``;
 - collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
   processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
-  least squares, giving the scale-up bandwidth B and per-step latency alpha. One machine has
+  least squares, giving the scale-up bandwidth B and per-step latency alpha; on CPU also
+  what a call waits for the other ranks when they compute between calls
+  (``collective_wait_us``). One machine has
   no scale-out link to measure, so the profile's NIC figures copy the scale-up ones: state
   the real NIC with --inter-gbs when planning across machines.
 
@@ -241,6 +243,7 @@ def _free_port() -> int:
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+IN_STEP_RUNS = 12  # per collective and size; the first two are dropped
 
 
 def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: str) -> None:
@@ -251,11 +254,17 @@ def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: 
     # torch 2.13 renames the *_tensor collectives; they are what the runtime calls today
     warnings.filterwarnings("ignore", category=FutureWarning)
     acc = get_device(kind, rank if kind != "cpu" else 0)
+    cpu = acc.kind == "cpu"
+    if cpu:  # as the trainer's ranks: an even share of the cores each
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(acc.backend, rank=rank, world_size=world)
-    times = {}
+    # between the in-step calls each rank computes a few milliseconds, as a layer does
+    a = torch.randn(256, 1024, device=acc.device)
+    b = torch.randn(1024, 1024, device=acc.device)
+    times, in_step = {}, {}
     for name in COLLECTIVES:
-        times[name] = []
+        times[name], in_step[name] = [], []
         for n in sizes:  # n bytes = the full buffer S of the ring model
             full = torch.ones(n // 4 // world * world, device=acc.device)
             part = torch.empty(full.numel() // world, device=acc.device)
@@ -275,10 +284,23 @@ def _collective_worker(rank: int, world: int, port: int, kind: str, sizes, out: 
                 acc.synchronize()
                 best = min(best, time.perf_counter() - start)
             times[name].append(best)
-    t = torch.tensor([times[k] for k in COLLECTIVES], device=acc.device)
+            if cpu:  # the mean time in the call when the ranks compute between calls
+                spent = []
+                for _ in range(IN_STEP_RUNS):
+                    a @ b
+                    start = time.perf_counter()
+                    call()
+                    spent.append(time.perf_counter() - start)
+                in_step[name].append(statistics.fmean(spent[2:]))
+    rows = [times[k] for k in COLLECTIVES] + ([in_step[k] for k in COLLECTIVES] if cpu else [])
+    t = torch.tensor(rows, device=acc.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        Path(out).write_text(json.dumps(dict(zip(COLLECTIVES, t.tolist(), strict=True))))
+        result = dict(zip(COLLECTIVES, t[: len(COLLECTIVES)].tolist(), strict=True))
+        if cpu:
+            steps = t[len(COLLECTIVES) :].tolist()
+            result["in_step"] = dict(zip(COLLECTIVES, steps, strict=True))
+        Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -318,6 +340,14 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     all-reduce fitted to the ring model (bandwidth and latency), the other two as factors on
     the ring model's bandwidth term (gloo's are no rings: reduce-scatter 3.3-5.8x and
     all-gather 0.9-2.4x over the calibrations on the development container's loopback).
+
+    Those come from each call's best time with the ranks idle and in step. On CPU each call is
+    also timed as a training step issues it, after a few milliseconds of compute on every rank
+    (`IN_STEP_RUNS`): the mean there is longer by what the first rank to arrive waits for the
+    other to be scheduled and finish (the ranks share the cores). ``wait_us``, the median
+    excess over every kind and size, becomes the profile's ``collective_wait_us``. On the
+    development container the best 64 KiB all-reduce took 0.15-0.3 ms, the in-step mean
+    1.5-3 ms; without it the planner put tp2's collectives at a third of the measured time.
 
     The ranks are fresh interpreters (not multiprocessing children), so measuring works the
     same whatever script or module started the parent. They get an environment without the
@@ -368,7 +398,7 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     for name in COLLECTIVES[1:]:
         _, ck = _fit_line(sizes, times[name])
         scale[name] = ck / (c / 2) if c > 0 and ck > 0 else 1.0
-    return {
+    result = {
         "world": n,
         "sizes": sizes,
         "seconds": times,
@@ -376,6 +406,16 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
         "alpha_us": a / (2 * (n - 1)) * 1e6,
         "scale": scale,
     }
+    if "in_step" in times:
+        # what a call waits beyond its isolated best when the ranks compute in between: the
+        # median over every kind and size (the slower rank's mean, as the max above)
+        waits = [
+            max(0.0, mean - best)
+            for name in COLLECTIVES
+            for mean, best in zip(times["in_step"][name], times[name], strict=True)
+        ]
+        result["wait_us"] = statistics.median(waits) * 1e6
+    return result
 
 
 def calibrate(
@@ -470,6 +510,7 @@ def calibrate(
         if runs:
             host_factor = statistics.median(r["factor"] for r in runs)
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
+    wait_us = 0.0
     coll_scale: tuple[tuple[str, float], ...] = ()
     if collectives and world > 1:
         sizes = [2**p for p in (range(12, 25, 4) if quick else range(10, 27, 2))]
@@ -477,6 +518,7 @@ def calibrate(
         coll = measure_collectives(acc.kind, world, sizes)
         raw["all_reduce"] = coll
         link = {"intra_gbs": coll["busbw_gbs"], "intra_latency_us": coll["alpha_us"]}
+        wait_us = coll.get("wait_us", 0.0)
         coll_scale = tuple(sorted(coll["scale"].items()))
     profile = Accelerator(
         name=f"calibrated-{acc.kind}",
@@ -502,6 +544,7 @@ def calibrate(
         attn_table=tuple((q, min(1.0, f / peak), min(1.0, b / peak)) for q, f, b in attn),
         collective_scale=coll_scale,
         layer_overhead_s=layer_overhead,
+        collective_wait_us=wait_us,
     )
     return profile, raw
 

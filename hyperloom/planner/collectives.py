@@ -11,8 +11,10 @@ Each collective over a group of n ranks moving a full buffer of S bytes costs, o
 B is the *bus bandwidth* a rank reaches on the group's slowest link (the datasheet figure
 times the link's efficiency) and alpha the latency of one ring step. This is SimuMax's
 calibrated form ``S*scale*(1+offset/n)/(B*eff) + alpha*scale*(n+offset) + fixed`` with
-(scale, offset) = (2, -1) for all-reduce, (1, -1) for gathers, scatters and all-to-all; a
-calibrated profile may set a per-call ``fixed`` cost (kernel launch, protocol set-up).
+(scale, offset) = (2, -1) for all-reduce, (1, -1) for gathers, scatters and all-to-all. The
+per-call ``fixed`` cost inside a node is the profile's ``collective_wait_us``: what a blocking
+collective of CPU ranks waits for its peers when they compute between calls (measured by
+`calibrate`; 0 on devices, whose collectives run on streams).
 
 Which link a group uses follows from the rank order of the mesh (`ParallelConfig.order`,
 outermost first, default ``pp,dp,cp,tp``): a dimension's *stride* is the product of the
@@ -100,7 +102,8 @@ def group_link(cluster: Cluster, size: int, stride: int) -> Link:
     acc, g = cluster.accel, cluster.gpus_per_node
     k = acc.collective_scale
     bw = acc.intra_gbs * 1e9 * acc.intra_eff
-    intra = Link(bw, acc.intra_latency_us * 1e-6, level="intra", scale=k)
+    wait = acc.collective_wait_us * 1e-6
+    intra = Link(bw, acc.intra_latency_us * 1e-6, fixed=wait, level="intra", scale=k)
     if size <= 1:
         return Link(intra.bandwidth, 0.0, level="local")
     if size * stride <= g:
@@ -119,7 +122,8 @@ def p2p_link(cluster: Cluster, size: int, stride: int) -> Link:
     """
     acc = cluster.accel
     if size * stride <= cluster.gpus_per_node:
-        return Link(acc.intra_gbs * 1e9 * acc.intra_eff, acc.intra_latency_us * 1e-6)
+        wait = acc.collective_wait_us * 1e-6
+        return Link(acc.intra_gbs * 1e9 * acc.intra_eff, acc.intra_latency_us * 1e-6, wait)
     return Link(acc.nic_gbs * 1e9 * acc.inter_eff, acc.inter_latency_us * 1e-6, level="inter")
 
 

@@ -180,19 +180,23 @@ def layer_phase(
 
     t, sp = s.tp, s.sp and s.tp > 1
     buf = layer.tp_buffer
+    # Under autocast per op the column-parallel linears take the FP32 norm output: what sp
+    # gathers for them, and the input gradient the backward reduces, are 4 B an element.
+    wide = buf * rt.norm_out_bytes / 2
     if sp:
         tp_pass = 2 * (
-            collective_time("all_gather", t, buf, links.tp)
+            collective_time("all_gather", t, wide, links.tp)
             + collective_time("reduce_scatter", t, buf, links.tp)
         )
         regather = 2 * collective_time("all_gather", t, buf, links.tp) if rt.sharded_save else 0
-        grad_pass = tp_pass
+        grad_pass = 2 * (
+            collective_time("reduce_scatter", t, wide, links.tp)
+            + collective_time("all_gather", t, buf, links.tp)
+        )
     else:
         tp_pass, regather = 2 * collective_time("all_reduce", t, buf, links.tp), 0.0
-        grads = layer.tp_grad_buffers
-        grad_pass = (
-            sum(collective_time("all_reduce", t, b, links.tp) for b in grads) if grads else tp_pass
-        )
+        grads = [b * rt.norm_out_bytes / 2 for b in layer.tp_grad_buffers] or [wide, wide]
+        grad_pass = sum(collective_time("all_reduce", t, b, links.tp) for b in grads)
     tp_f = _exposed(tp_pass, gemm, rt.tp_overlap)
     tp_b = _exposed(grad_pass, gemm, rt.tp_overlap)
     tp_w = _exposed(regather, gemm, rt.tp_overlap)
@@ -271,10 +275,19 @@ def expert_parallel_comm(
     return layer.moe_fraction * fwd, layer.moe_fraction * bwd
 
 
-def embedding_phase(spec: ModelSpec, s: Strategy, seq: int, acc: Accelerator, links: Links):
-    """First chunk: vocab-parallel lookup, then the all-reduce (or reduce-scatter) over tp."""
+def embedding_phase(
+    spec: ModelSpec,
+    s: Strategy,
+    seq: int,
+    acc: Accelerator,
+    links: Links,
+    rt: Runtime | None = None,
+):
+    """First chunk: vocab-parallel lookup, then the all-reduce (or reduce-scatter) over tp.
+    The lookup returns the table's dtype: FP32 under autocast per op (no autocast for it)."""
     tokens = s.mbs * seq / s.cp
-    out = 2.0 * tokens * spec.dim
+    width = rt.param_bytes if rt is not None and rt.autocast_per_op else 2.0
+    out = width * tokens * spec.dim
     kind = "reduce_scatter" if s.sp and s.tp > 1 else "all_reduce"
     comm = collective_time(kind, s.tp, out, links.tp)
     look = acc.elementwise_time(2 * out)
@@ -310,31 +323,47 @@ def head_phase(
     gemm = acc.gemm_time(tokens, spec.vocab_size / t, spec.dim, fp8)
     logits = tokens * spec.vocab_size / t
     x_sp = tokens * spec.dim / (t if s.sp and t > 1 else 1)
-    comm = 0.0
-    if s.sp and t > 1:
-        comm = collective_time("all_gather", t, 2.0 * tokens * spec.dim, links.tp)
-    if rt is not None and rt.fused_cross_entropy:
+    fused = rt is not None and rt.fused_cross_entropy
+    chunk = min(tokens, ce_chunk_tokens(tokens, spec.dim, spec.vocab_size / t)) if fused else 0
+    chunks = math.ceil(tokens / chunk) if fused else 1
+    comm_f = comm_b = 0.0
+    if t > 1:
+        # the head's input (the final norm's output: FP32 under autocast per op) is gathered
+        # over sp and its gradient reduce-scattered back, or without sp the gradient is
+        # all-reduced; the vocab-parallel loss all-reduces FP32 rows: per chunk the maximum
+        # and (sum of exponentials, target logit) when fused, else the three over all tokens
+        wide = (rt.norm_out_bytes if rt is not None else 2.0) * tokens * spec.dim
+        if s.sp:
+            comm_f = collective_time("all_gather", t, wide, links.tp)
+            comm_b = collective_time("reduce_scatter", t, wide, links.tp)
+        else:
+            comm_b = collective_time("all_reduce", t, wide, links.tp)
+        if fused:
+            comm_f += chunks * sum(
+                collective_time("all_reduce", t, w * chunk, links.tp) for w in (4.0, 8.0)
+            )
+        else:
+            comm_f += 3 * collective_time("all_reduce", t, 4.0 * tokens, links.tp)
+    if fused:
         weights = spec.vocab_size / t * spec.dim
-        chunk = ce_chunk_tokens(tokens, spec.dim, spec.vocab_size / t)
-        chunks = math.ceil(tokens / min(tokens, chunk))
         ce_f = acc.elementwise_time(8.0 * logits + 4.0 * x_sp) + acc.memory_time(
             10.0 * weights * chunks
         )
         ce_b = acc.memory_time(8.0 * x_sp + 8.0 * weights)  # scale ∂h and ∂W
         return Phase(
-            f=3 * gemm + ce_f + comm,
-            b=ce_b + comm,
+            f=3 * gemm + ce_f + comm_f,
+            b=ce_b + comm_b,
             compute=3 * gemm + ce_f + ce_b,
-            tp_comm=2 * comm,
+            tp_comm=comm_f + comm_b,
         )
     ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
     ce_b = acc.elementwise_time(22.0 * logits + 8.0 * x_sp)
     return Phase(
-        f=gemm + ce_f + comm,
-        b=gemm + ce_b + comm,
+        f=gemm + ce_f + comm_f,
+        b=gemm + ce_b + comm_b,
         w=gemm,
         compute=3 * gemm + ce_f + ce_b,
-        tp_comm=2 * comm,
+        tp_comm=comm_f + comm_b,
     )
 
 
@@ -454,6 +483,30 @@ def dp_sync(
     rs = coll("reduce_scatter", rt.grad_reduce_bytes)
     last = collective_time("reduce_scatter", n0, bucket, link0)
     return rs, max(last, _exposed(rs, b_window, rt.fsdp_overlap))
+
+
+def shared_grad_groups(
+    spec: ModelSpec, tp: int, rank_chunks: tuple[tuple[int, ...], ...], params: tuple[float, ...]
+) -> list[tuple[tuple[int, ...], float]]:
+    """(pipeline ranks, parameters) whose gradients the pipeline runtime sums over a subgroup
+    of those ranks after the last backward (`PipelineModel.sum_shared_grads`): a chunk held by
+    several ranks (DualPipe's two model copies) and, with tied embeddings, the table shared by
+    the first chunk's and the last chunk's ranks. `params` are per chunk on one rank, as
+    `chunk_params` counts them (the tied head's copy on the last chunk); groups of one rank
+    sum in memory and are left out. Sorted by ranks, the order the runtime issues them."""
+    chunks = range(len(params))
+    holders = [tuple(r for r, mine in enumerate(rank_chunks) if c in mine) for c in chunks]
+    by_ranks: dict[tuple[int, ...], float] = {}
+    last = len(params) - 1
+    tied = spec.tie_embeddings and last > 0
+    table = spec.embedding_params() / tp
+    for c, ranks in enumerate(holders):
+        p = params[c] - (table if tied and c in (0, last) else 0.0)
+        by_ranks[ranks] = by_ranks.get(ranks, 0.0) + p
+    if tied:
+        ranks = tuple(sorted(set(holders[0]) | set(holders[last])))
+        by_ranks[ranks] = by_ranks.get(ranks, 0.0) + table
+    return sorted((r, p) for r, p in by_ranks.items() if len(r) > 1 and p > 0)
 
 
 def optimizer_time(

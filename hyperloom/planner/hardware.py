@@ -95,6 +95,12 @@ class Accelerator:
     # accounts for: Python, the dispatcher, autograd, kernel launches. `calibrate` measures
     # it (`measure_layer_overhead`); 0 for the datasheet profiles (large layers hide it).
     layer_overhead_s: float = 0.0
+    # Seconds a blocking collective (or pipeline receive) of CPU ranks spends beyond its wire
+    # time when the ranks compute between calls, as a training step does: the ranks share the
+    # cores, so one arrives first and waits for the other to be scheduled and catch up.
+    # `calibrate` measures it on CPU (`measure_collectives`, "in step"); 0 where collectives
+    # run asynchronously on a device stream (the datasheet profiles, calibrated GPUs).
+    collective_wait_us: float = 0.0
 
     @property
     def supports_fp8(self) -> bool:

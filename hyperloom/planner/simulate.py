@@ -10,8 +10,9 @@ This is the glue. For a model, a cluster, a strategy and a runtime it
    activation transfer time as the p2p latency (`pipeline.simulate`). Bubbles, warm-up and
    cool-down, non-uniform first and last stages and exposed p2p transfers all come out of the
    replay; nothing here re-derives a schedule;
-3. finishes each rank at its last compute event plus its exposed data-parallel sync and its
-   optimizer step; the step time is the latest rank;
+3. finishes each rank at its last compute event plus the all-reduces of gradients shared
+   across pipeline ranks (DualPipe's model copies, tied embeddings; `shared_grad_groups`),
+   its exposed data-parallel sync and its optimizer step; the step time is the latest rank;
 4. sizes each rank's memory with the peak in-flight and W-pending counts of the replay.
 
 Under DualPipe an overlapped forward-and-backward pair may hide expert-parallel all-to-all
@@ -57,6 +58,7 @@ from hyperloom.planner.costs import (
     links_for,
     local_params,
     optimizer_time,
+    shared_grad_groups,
 )
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import GIB, Accelerator, Cluster
@@ -191,7 +193,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
         spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op
     )
     one = layer_phase(layer, spec, key, acc, links, rt)
-    emb = embedding_phase(spec, key, seq, acc, links)
+    emb = embedding_phase(spec, key, seq, acc, links, rt)
     head = head_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
@@ -430,6 +432,14 @@ def predict(
         else:
             ends.append(last_end(results[0], rank))
 
+    # the all-reduces of shared gradients over pipeline subgroups wait for every member
+    shared_end, shared = list(ends), [0.0] * s.pp
+    for ranks, p in shared_grad_groups(spec, s.tp, prep.rank_chunks, prep.params):
+        t = collective_time("all_reduce", len(ranks), p * rt.grad_bytes, prep.links.pp)
+        start = max(shared_end[r] for r in ranks)
+        for r in ranks:
+            shared_end[r], shared[r] = start + t, shared[r] + t
+
     acc = effective_accelerator(cluster, rt)
     finish, parts, busy_all = [], [], 0.0
     m = chunk_passes(s)
@@ -441,7 +451,7 @@ def predict(
             p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt, e_rank
         )
         opt = optimizer_time(p_rank, s, acc, rt, e_rank)
-        finish.append(ends[rank] + dp_exposed + opt)
+        finish.append(shared_end[rank] + dp_exposed + opt)
         busy = m * per_mb.total
         hidden = busy * (1.0 - prep.fb_overlap)  # estimate: as if every pair were F&B
         busy_all += busy - hidden
@@ -454,6 +464,7 @@ def predict(
                 "zero3_gather": m * per_mb.dp_comm,
                 "pipeline_bubble": max(0.0, ends[rank] - busy + hidden),
                 "dp_sync_exposed": dp_exposed,
+                "shared_grad_sync": shared[rank],
                 "optimizer": opt,
                 "dp_sync_total": dp_total,
             }

@@ -101,6 +101,13 @@ class Runtime:
     a2a_node_dedup: bool = False  # one network copy per destination node (DeepEP)
     fp8_dispatch: bool = False  # with FP8 on, the dispatch all-to-all moves FP8 (DeepSeek)
 
+    @property
+    def norm_out_bytes(self) -> float:
+        """Bytes per element of a norm's output, which the column-parallel linears take: FP32
+        under autocast per op (the norm runs in FP32 and each linear casts its own copy),
+        BF16 otherwise."""
+        return 4.0 if self.autocast_per_op else 2.0
+
     def with_param_dtype(self, dtype: str) -> Runtime:
         """'bf16': BF16 params + FP32 master in the optimizer (Megatron's layout)."""
         if dtype == "bf16":

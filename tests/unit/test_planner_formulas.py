@@ -237,3 +237,124 @@ def test_fused_head_runs_all_three_gemms_in_the_forward():
         + acc.memory_time(10.0 * spec.vocab_size * spec.dim * 8)
         + acc.memory_time(8.0 * 8 * 256 * spec.dim + 8.0 * spec.vocab_size * spec.dim)
     )
+
+
+def test_collective_wait_is_a_per_call_cost_inside_a_node_only():
+    acc = dataclasses.replace(ACCELERATORS["h100"], collective_wait_us=1500.0)
+    cl = Cluster(acc, 16, 8)
+    tp, pp, dp = group_link(cl, 2, 1), p2p_link(cl, 2, 1), group_link(cl, 2, 8)
+    assert tp.fixed == pytest.approx(1.5e-3) and pp.fixed == pytest.approx(1.5e-3)
+    assert dp.level == "inter" and dp.fixed == 0.0  # across nodes: NIC figures, no CPU wait
+    plain = group_link(Cluster(ACCELERATORS["h100"], 16, 8), 2, 1)
+    for kind in ("all_reduce", "all_gather", "p2p"):
+        extra = collective_time(kind, 2, 1e6, tp) - collective_time(kind, 2, 1e6, plain)
+        assert extra == pytest.approx(1.5e-3)  # once per call, whatever the size
+
+
+def test_head_under_tensor_parallel_counts_its_input_gradient_and_the_loss_all_reduces():
+    from hyperloom.planner.costs import ce_chunk_tokens, head_phase, links_for
+    from hyperloom.planner.strategy import job_runtime
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    acc = ACCELERATORS["h100"]
+    seq, mbs, t = 256, 8, 2
+    tokens = mbs * seq
+    links = links_for(Cluster(acc, 2, 8), Strategy(tp=t, mbs=mbs))
+
+    def ar(size):
+        return collective_time("all_reduce", t, size, links.tp)
+
+    fused_rt, plain_rt = job_runtime(True), job_runtime(False)
+    one = head_phase(spec, Strategy(mbs=mbs), seq, acc, links, fused_rt)
+    assert one.tp_comm == 0.0
+    # no sp: the gradient of the FP32 norm output is all-reduced; the fused loss all-reduces
+    # per chunk the row maxima (4 B) and the (sum of exponentials, target logit) pair (8 B)
+    fused = head_phase(spec, Strategy(tp=t, mbs=mbs), seq, acc, links, fused_rt)
+    chunk = min(tokens, ce_chunk_tokens(tokens, spec.dim, spec.vocab_size / t))
+    chunks = -(-tokens // chunk)
+    loss = chunks * (ar(4.0 * chunk) + ar(8.0 * chunk))
+    assert fused.tp_comm == pytest.approx(ar(4.0 * tokens * spec.dim) + loss)
+    # the reference loss all-reduces three FP32 values per token over the whole batch
+    plain = head_phase(spec, Strategy(tp=t, mbs=mbs), seq, acc, links, plain_rt)
+    assert plain.tp_comm == pytest.approx(ar(4.0 * tokens * spec.dim) + 3 * ar(4.0 * tokens))
+    # sp: the FP32 input is gathered forward, its gradient reduce-scattered backward
+    sp = head_phase(spec, Strategy(tp=t, sp=True, mbs=mbs), seq, acc, links, fused_rt)
+    wide = 4.0 * tokens * spec.dim
+    assert sp.tp_comm == pytest.approx(
+        collective_time("all_gather", t, wide, links.tp)
+        + collective_time("reduce_scatter", t, wide, links.tp)
+        + loss
+    )
+
+
+def test_autocast_per_op_moves_fp32_on_the_column_parallel_side():
+    from hyperloom.planner.costs import layer_phase, links_for
+    from hyperloom.planner.strategy import job_runtime
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    acc = ACCELERATORS["h100"]
+    s = Strategy(tp=2, sp=True, mbs=8)
+    links = links_for(Cluster(acc, 2, 8), s)
+    per_op, fused_autocast = job_runtime(), RUNTIMES["hyperloom"]
+    assert per_op.norm_out_bytes == 4.0 and fused_autocast.norm_out_bytes == 2.0
+    comm = {}
+    for name, rt in (("per_op", per_op), ("bf16", fused_autocast)):
+        layer = build_layer(spec, 8, 256, 2, 1, True, rt.sharded_save, 1, rt.autocast_per_op)
+        comm[name] = layer_phase(layer, spec, s, acc, links, rt).tp_comm
+        buf = layer.tp_buffer
+    gather, scatter = (
+        lambda b: collective_time("all_gather", 2, b, links.tp),
+        lambda b: collective_time("reduce_scatter", 2, b, links.tp),
+    )
+    # attention and MLP: forward gather (FP32 under per-op autocast) + scatter (BF16), and the
+    # backward's reduce-scatter of the FP32 input gradient + gather of the BF16 output gradient
+    assert comm["bf16"] == pytest.approx(4 * (gather(buf) + scatter(buf)))
+    assert comm["per_op"] == pytest.approx(
+        2 * (gather(2 * buf) + scatter(buf)) + 2 * (scatter(2 * buf) + gather(buf))
+    )
+
+
+def test_shared_gradients_are_all_reduced_over_the_ranks_that_hold_them():
+    from hyperloom.planner.costs import chunk_params, shared_grad_groups
+    from hyperloom.planner.simulate import _rank_chunks
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    tied = dataclasses.replace(spec, tie_embeddings=True)
+    table = spec.embedding_params() / 2
+
+    def groups(sp, kind, pp, vpp=1):
+        chunks = _rank_chunks(kind, pp, vpp)
+        layers = assign_layers(sp.n_layers, chunks)
+        return shared_grad_groups(sp, 2, chunks, tuple(chunk_params(sp, 2, layers))), layers
+
+    # DualPipe: rank r and pp-1-r hold the same two chunks; every parameter is in one pair
+    got, layers = groups(spec, "dualpipe", 4)
+    params = chunk_params(spec, 2, layers)
+    assert [r for r, _ in got] == [(0, 3), (1, 2)]
+    assert [p for _, p in got] == pytest.approx([params[0] + params[3], params[1] + params[2]])
+    # untied 1F1B holds every chunk once: nothing to sum
+    assert groups(spec, "1f1b", 4)[0] == []
+    # tied 1F1B: the table, between the first and the last rank
+    got, _ = groups(tied, "1f1b", 4)
+    assert got == [((0, 3), pytest.approx(table))]
+    # tied DualPipe: the table (one name, two copies on each rank) joins the (0, 3) pair's
+    # reduction once
+    got, layers = groups(tied, "dualpipe", 4)
+    params = chunk_params(tied, 2, layers)
+    assert got[0] == ((0, 3), pytest.approx(params[0] + params[3] - table))
+    # V placement puts the first and last chunk on rank 0: summed in memory, no collective
+    assert groups(tied, "dualpipev", 4)[0] == []
+
+
+def test_dualpipe_step_pays_the_copies_all_reduce_after_the_last_backward():
+    from hyperloom.planner.simulate import predict
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    cl = Cluster.of("h100", 2)
+    kw = dict(pp=2, mbs=2, microbatches=8)
+    dual = predict(spec, cl, Strategy(schedule="dualpipe", **kw), 256)
+    one = predict(spec, cl, Strategy(schedule="1f1b", **kw), 256)
+    link = p2p_link(cl, 2, 1)
+    expect = collective_time("all_reduce", 2, 4.0 * spec.params(), link)  # both chunks, FP32
+    assert dual.breakdown["shared_grad_sync"] == pytest.approx(expect)
+    assert one.breakdown["shared_grad_sync"] == 0.0

@@ -428,8 +428,22 @@ def calibrate(
 ) -> tuple[Accelerator, dict]:
     """Measure this machine; returns the profile and the raw measurements. On CPU the
     measurements run under `host_allocator` (`accelerator.configure_host_allocator`), the
-    policy of the training runs the profile is for. `progress(text)`, if given, hears which
-    measurement starts (the whole takes a minute or more on a small CPU)."""
+    policy of the training runs the profile is for, and with every core: a CPU profile is the
+    whole machine, of which a job's rank gets its share (`selfcheck.cpu_share`) -- also when
+    the calibration runs inside a rank that trained with fewer threads (the training
+    self-check), whose thread count is restored afterwards. `progress(text)`, if given, hears
+    which measurement starts (the whole takes a minute or more on a small CPU)."""
+    if get_device(device).kind != "cpu":
+        return _calibrate(device, dtype, quick, collectives, host_allocator, progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        return _calibrate(device, dtype, quick, collectives, host_allocator, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(device, dtype, quick, collectives, host_allocator, progress):
     say = progress or (lambda text: None)
     acc = get_device(device)
     cpu = acc.kind == "cpu"

@@ -290,7 +290,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         f[i] += ph.f
         b[i] += ph.b
         w[i] += ph.w
-    act = 2.0 * s.mbs * seq / s.cp * spec.dim / (s.tp if s.sp and s.tp > 1 else 1)
+    act = rt.p2p_bytes * s.mbs * seq / s.cp * spec.dim / (s.tp if s.sp and s.tp > 1 else 1)
     prep = Prepared(
         strategy=s,
         layers=layers,

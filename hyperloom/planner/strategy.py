@@ -94,6 +94,9 @@ class Runtime:
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
     param_gather_bytes: int = 4  # zero 1 all-gathers the updated params in this width
     grad_reduce_bytes: int = 4
+    # bytes per element of the activations sent between pipeline stages: FP32 in hyperloom's
+    # executor (the residual stream of FP32 parameters under autocast), BF16 in Megatron's
+    p2p_bytes: int = 4
     bucket_mb: float = 25.0  # the last gradient bucket is never hidden
     efficiency: float = 1.0  # achieved fraction of the compute roofline (fitted: docs)
     ep_overlap: float = 0.0  # fraction of the EP all-to-all hidden behind expert compute
@@ -138,6 +141,7 @@ RUNTIMES = {
         tp_overlap=0.8,
         zero1_overlap=1.0,
         param_gather_bytes=2,
+        p2p_bytes=2,
     ),
 }
 

@@ -358,3 +358,22 @@ def test_dualpipe_step_pays_the_copies_all_reduce_after_the_last_backward():
     expect = collective_time("all_reduce", 2, 4.0 * spec.params(), link)  # both chunks, FP32
     assert dual.breakdown["shared_grad_sync"] == pytest.approx(expect)
     assert one.breakdown["shared_grad_sync"] == 0.0
+
+
+def test_cpu_calibration_measures_every_core_and_restores_the_callers_threads(monkeypatch):
+    import os
+
+    import torch
+
+    from hyperloom.planner import calibrate as cal
+
+    seen = []
+    monkeypatch.setattr(cal, "_calibrate", lambda *a: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank of a two-process job on two cores
+    try:
+        cal.calibrate("cpu")
+        assert seen == [os.cpu_count()]  # a CPU profile is the whole machine
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

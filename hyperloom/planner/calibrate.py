@@ -132,7 +132,9 @@ def measure_elementwise(
 ) -> dict:
     """GB/s of the runtime's fused elementwise operators (forward + backward) on the bytes the
     planner's layer model charges them: 4 B per element per RMSNorm, 6 per residual add, 6 per
-    SwiGLU output element, 4 per RoPE'd element, each forward, x3 for forward + backward."""
+    SwiGLU output element, 4 per RoPE'd element, each forward, x3 for forward + backward; and
+    apart from them (``cast_gbs``), an activation's cast to BF16 and back, as autocast runs
+    it before each linear (on this CPU slower than any of the fused kernels)."""
     from hyperloom.engine import ops
 
     dev = acc.device
@@ -158,10 +160,14 @@ def measure_elementwise(
     }
     seconds = {k: _median_time(fn, acc.synchronize, runs) for k, (fn, _) in kernels.items()}
     nbytes = {k: 3 * b for k, (_, b) in kernels.items()}
+    # autocast's casts, apart: an FP32 activation to BF16 and back, 6 B per element each way
+    x32 = torch.randn(tokens, dim, device=dev)
+    cast_s = _median_time(lambda: x32.to(dtype).float(), acc.synchronize, runs)
     return {
         "shape": {"tokens": tokens, "dim": dim, "ffn": ffn, "head_dim": head_dim},
         "gbs": {k: nbytes[k] / seconds[k] / 1e9 for k in kernels},
         "total_gbs": sum(nbytes.values()) / sum(seconds.values()) / 1e9,
+        "cast_gbs": 12.0 * tokens * dim / cast_s / 1e9,
     }
 
 
@@ -555,6 +561,7 @@ def _calibrate(device, dtype, quick, collectives, host_allocator, progress):
         source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
         gemm_table=tuple((s, t / peak) for s, t in gemms),
         elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
+        cast_eff=min(1.0, elementwise["cast_gbs"] / mem),
         attn_table=tuple((q, min(1.0, f / peak), min(1.0, b / peak)) for q, f, b in attn),
         collective_scale=coll_scale,
         layer_overhead_s=layer_overhead,

@@ -224,7 +224,17 @@ def layer_phase(
     ep_b = _exposed(ep_b, gemm, rt.ep_overlap)
 
     host = acc.layer_overhead_s  # not scaled with compute: the host runs it one-threaded
-    f = gemm + attn_f + elem_f + tp_f + cp_f + dp_f + ep_f + host / 3
+    # Autocast's eager casts. With FP32 parameters each forward casts the weights to BF16 and
+    # the weight-gradient pass casts their BF16 gradients back (every micro-batch: the cast
+    # cache lives for one autocast region). Per op, each linear's input is cast to BF16, and
+    # the backward casts its gradient back and sums those of the linears that read the same
+    # norm output (12 B per summed element).
+    weight_cast = 0.0
+    if rt.autocast_weight_copy and rt.param_bytes == 4:
+        weight_cast = acc.cast_time(6.0 * sum(g.n * g.k * g.count for g in layer.gemms))
+    cast_f = acc.cast_time(6.0 * layer.cast_elements) + weight_cast
+    cast_b = acc.cast_time(6.0 * layer.cast_elements + 12.0 * layer.cast_sum_elements)
+    f = gemm + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3
     full, mods = parse_recompute(s.recompute)
     if full:
         recompute = f
@@ -233,13 +243,13 @@ def layer_phase(
             acc.elementwise_time(layer.act_bytes) if "mlp_act" in mods else 0.0
         )
         recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
-    b = gemm + attn_b + 2 * elem_f + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
-    w = gemm + tp_w
+    b = gemm + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
+    w = gemm + tp_w + weight_cast
     return Phase(
         f=f,
         b=b,
         w=w,
-        compute=3 * gemm + attn_f + attn_b + 3 * elem_f + host,
+        compute=3 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + weight_cast + host,
         recompute=recompute,
         tp_comm=tp_f + tp_b + tp_w,
         cp_comm=cp_f + cp_b,

@@ -85,6 +85,10 @@ class Accelerator:
     # arithmetic-bound on CPUs, unlike a copy or the optimizer's in-place streams.
     # `calibrate` measures it; 1.0 (the same as a copy) for the datasheet profiles.
     elementwise_eff: float = 1.0
+    # Dtype conversions (autocast's FP32 -> BF16 casts of weights and linear inputs, and their
+    # gradients' casts back) relative to ``mem_eff``: eager, unfused, and on CPUs slower than
+    # a copy. `calibrate` measures it; 1.0 for the datasheet profiles.
+    cast_eff: float = 1.0
     # Calibrated attention by sequence length: (seq, fwd_eff, bwd_eff), nearest seq wins
     # over ``attn_fwd_eff``/``attn_bwd_eff`` (flash kernels get faster with longer rows).
     attn_table: tuple[tuple[int, float, float], ...] = field(default=())
@@ -136,6 +140,10 @@ class Accelerator:
     def elementwise_time(self, nbytes: float) -> float:
         """Seconds of activation elementwise kernels moving `nbytes` (``elementwise_eff``)."""
         return self.memory_time(nbytes) / self.elementwise_eff
+
+    def cast_time(self, nbytes: float) -> float:
+        """Seconds of dtype conversions moving `nbytes` (``cast_eff``)."""
+        return self.memory_time(nbytes) / self.cast_eff
 
     def attention_time(self, flops: float, backward: bool = False, seq: float = 0.0) -> float:
         """Seconds of flash attention's `flops`; a calibrated profile looks up `seq`."""

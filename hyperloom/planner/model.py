@@ -301,6 +301,10 @@ class Layer:
     # Without sp, the backward's TP all-reduces when they are not two of tp_buffer: DeepSeek's
     # MLA sums its latents' gradients (q_lora, kv_lora + rope columns), not the block input's.
     tp_grad_buffers: tuple[float, ...] = ()
+    # Autocast per op: elements of the FP32 norm outputs cast to BF16, once per linear that
+    # reads them, and of their gradients summed over those linears in the backward.
+    cast_elements: float = 0.0
+    cast_sum_elements: float = 0.0
 
     @property
     def gemm_flops(self) -> float:
@@ -402,6 +406,8 @@ def build_layer(
         cp_buffer=2.0 * 2.0 * tokens * cp * kv / t,
         grad_out_bytes=grad_out,
         seq=seq,
+        cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,
+        cast_sum_elements=(qkv_copies + fc1_copies - 2) * x_full if per_op_casts else 0.0,
     )
 
 

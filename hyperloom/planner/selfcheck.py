@@ -103,14 +103,14 @@ def cached_profile(
 ) -> Accelerator:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent."""
-    # v8: CPU profiles measured with all cores also inside a rank (v6-v7 measured one
-    # thread there and then took a rank's share of it again); v7: the wait of CPU
-    # collectives between computing ranks (collective_wait_us);
+    # v9: the cast rate (cast_eff); v8: CPU profiles measured with all cores also inside a
+    # rank (v6-v7 measured one thread there and then took a rank's share of it again);
+    # v7: the wait of CPU collectives between computing ranks (collective_wait_us);
     # v6: GEMMs in interleaved rounds, the per-layer overhead from each model's fastest step;
     # v5: the per-layer host overhead; v4: kernels timed in their training form, elementwise
     # and attention tables; v3: CPU profiles measured under the run's host allocator policy
     policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v8.json"
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v9.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate

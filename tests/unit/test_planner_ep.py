@@ -255,7 +255,9 @@ def _ep1_cases():
 # step grew by 0.98 s when the all-reduce of the two model copies' gradients over each pair of
 # pipeline ranks (`costs.shared_grad_groups`) was costed; lite-z0 and llama-z1 (hyperloom
 # runtime, pp > 1) changed by 0.07% and 0.56% when its pipeline sends became FP32
-# (`Runtime.p2p_bytes`).
+# (`Runtime.p2p_bytes`); lite-z0 (+26%), lite-z3 (+21%) and llama-z1 (+7%), hyperloom's FP32
+# parameters under autocast, again when the weight casts of every micro-batch's forward and
+# of its weight gradients were costed (`Accelerator.cast_time`).
 EP1_BEFORE = {
     "ds-z1": (
         63.93066278783463,
@@ -277,16 +279,16 @@ EP1_BEFORE = {
         + [103187033421.90164]
         + [106537517375.34427],
     ),
-    "lite-z0": (0.5350437316929387, 0.2801773242764306, [100638912407.7037] + [91284755527.11111]),
-    "lite-z3": (1.3101882774448974, 0.4576658903068491, [156519421763.55554]),
+    "lite-z0": (0.6760688242143317, 0.22173352142189517, [100638912407.7037] + [91284755527.11111]),
+    "lite-z3": (1.5839839913553453, 0.3785571620287276, [156519421763.55554]),
     "lite-cp": (
         0.41214644980876936,
         0.18186147325320767,
         [50569126307.55554] + [51523031964.44444],
     ),
     "llama-z1": (
-        0.9384668123940842,
-        0.4541054089762273,
+        1.0068277074388599,
+        0.42327287231386707,
         [27326005248.0] + [21753085952.0] + [19200851968.0] + [27482266624.0],
     ),
 }

@@ -377,3 +377,31 @@ def test_cpu_calibration_measures_every_core_and_restores_the_callers_threads(mo
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_autocast_casts_cost_the_forward_backward_and_weight_gradient_passes():
+    from hyperloom.planner.costs import layer_phase, links_for
+    from hyperloom.planner.strategy import job_runtime
+
+    spec = ModelSpec.from_model_config(preset_config("tiny"))
+    s = Strategy(mbs=8)
+    slow = dataclasses.replace(ACCELERATORS["h100"], cast_eff=0.25)
+    links = links_for(Cluster(slow, 1, 8), s)
+    layer = build_layer(spec, 8, 256, 1, 1, False, False, 1, True)
+    x = 8 * 256 * spec.dim
+    assert layer.cast_elements == 5 * x and layer.cast_sum_elements == 3 * x  # q,k,v + w1,w3
+    weights = sum(g.n * g.k * g.count for g in layer.gemms)
+    per_op = layer_phase(layer, spec, s, slow, links, job_runtime())
+    fast = layer_phase(
+        layer, spec, s, dataclasses.replace(slow, cast_eff=1.0), links, job_runtime()
+    )
+    # a quarter of the copy rate: every cast costs four times as long, nothing else moves
+    assert per_op.f - fast.f == pytest.approx(3 * slow.memory_time(6.0 * (5 * x + weights)))
+    assert per_op.b - fast.b == pytest.approx(3 * slow.memory_time(6.0 * 5 * x + 12.0 * 3 * x))
+    assert per_op.w - fast.w == pytest.approx(3 * slow.memory_time(6.0 * weights))
+    # Megatron's BF16 parameters need no weight casts
+    mega = RUNTIMES["megatron"]
+    plain = build_layer(spec, 8, 256, 1, 1, False, mega.sharded_save, 1, False)
+    assert plain.cast_elements == 0
+    m_slow = layer_phase(plain, spec, s, slow, links, mega)
+    assert m_slow == layer_phase(plain, spec, s, dataclasses.replace(slow, cast_eff=1.0), links, mega)

@@ -525,12 +525,16 @@ def optimizer_time(
     """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
     m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),
     plus the gradient-norm read and zeroing of the full local gradients, and FP8 weight
-    casts. The `expert` part of `params` is sharded over the expert-data-parallel group."""
+    casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
+    ZeRO-1 adds what the runtime's own step moves beyond that (`Runtime.zero1_step_extra`,
+    `Runtime.zero1_publish_bytes`)."""
     shard = params / s.dp if s.zero in (1, 3) else params
     if expert and s.zero in (1, 3):
         shard = (params - expert) / s.dp + expert / s.edp
     per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
     nbytes = shard * per + params * 2 * rt.grad_bytes
+    if s.zero == 1 and s.dp > 1:  # the runtime's own ZeRO-1 step and publication
+        nbytes += shard * rt.zero1_step_extra + params * rt.zero1_publish_bytes
     if s.fp8:
         nbytes += params * (rt.param_bytes + 2)
     return acc.memory_time(nbytes)

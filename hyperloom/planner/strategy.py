@@ -91,6 +91,15 @@ class Runtime:
     ddp_overlap: float = 1.0  # zero 0: all-reduce behind the last backward
     zero1_overlap: float = 0.0  # zero 1: reduce-scatter / all-gather behind compute
     zero1_in_place: bool = False  # zero 1 all-reduces grads and weights instead (gloo)
+    # ZeRO-1's step in bytes per element of the optimizer shard beyond a fused AdamW's 28
+    # (``zero1_step_extra``) and per parameter (``zero1_publish_bytes``, copying the updated
+    # weights out of the collective's buffer). hyperloom's `parallel/zero1.py` runs AdamW as
+    # separate in-place ops (weight decay 8, lerp 12, mul + addcmul 20, sqrt/div/add 24,
+    # addcdiv 16 = 80 B) and scales the clipped gradient shard (8 B); it publishes through
+    # the gradient buffer (zeroed, 4 B/param, the slice copied in, 8 B per shard element, the
+    # parameters copied out, 8 B/param). Megatron gathers into the parameters themselves.
+    zero1_step_extra: float = 80.0 - 28.0 + 8.0 + 8.0
+    zero1_publish_bytes: float = 12.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
     param_gather_bytes: int = 4  # zero 1 all-gathers the updated params in this width
     grad_reduce_bytes: int = 4
@@ -142,6 +151,8 @@ RUNTIMES = {
         zero1_overlap=1.0,
         param_gather_bytes=2,
         p2p_bytes=2,
+        zero1_step_extra=0.0,
+        zero1_publish_bytes=0.0,
     ),
 }
 

@@ -405,3 +405,17 @@ def test_autocast_casts_cost_the_forward_backward_and_weight_gradient_passes():
     assert plain.cast_elements == 0
     m_slow = layer_phase(plain, spec, s, slow, links, mega)
     assert m_slow == layer_phase(plain, spec, s, dataclasses.replace(slow, cast_eff=1.0), links, mega)
+
+
+def test_zero1_step_counts_the_runtimes_unfused_adamw_and_publication():
+    from hyperloom.planner.costs import optimizer_time
+
+    acc, hl = ACCELERATORS["h100"], RUNTIMES["hyperloom"]
+    lean = dataclasses.replace(hl, zero1_step_extra=0.0, zero1_publish_bytes=0.0)
+    z1, z0 = Strategy(dp=2, zero=1), Strategy(dp=2, zero=0)
+    extra = optimizer_time(P, z1, acc, hl) - optimizer_time(P, z1, acc, lean)
+    # per shard element 80 - 28 B of separate AdamW ops, 8 clip scaling, 8 slice copy-in;
+    # per parameter 4 zeroing and 8 copy-out
+    assert extra == pytest.approx(acc.memory_time(P / 2 * 68.0 + P * 12.0))
+    assert optimizer_time(P, z0, acc, hl) == optimizer_time(P, z0, acc, lean)  # DDP: fused
+    assert RUNTIMES["megatron"].zero1_step_extra == 0 == RUNTIMES["megatron"].zero1_publish_bytes

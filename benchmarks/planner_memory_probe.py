@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -36,29 +35,8 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
 
     from hyperloom.accelerator import Accelerator, peak_rss_bytes, reset_peak_rss
     from hyperloom.config import load_config
-    from hyperloom.planner.host_memory import live_heap_bytes
+    from hyperloom.planner.host_memory import LivePoller, live_heap_bytes
     from hyperloom.train.trainer import Trainer
-
-    class Sampler:
-        """glibc's live bytes polled from a thread while the step runs. Not a dispatch mode:
-        under one, torch.compile runs the compiled kernels' Python bodies instead (their
-        float32 temporaries would count)."""
-
-        peak_live = 0
-
-        def __enter__(self):
-            self.stop = threading.Event()
-            self.thread = threading.Thread(target=self.poll, daemon=True)
-            self.thread.start()
-
-        def poll(self):
-            while not self.stop.is_set():
-                Sampler.peak_live = max(Sampler.peak_live, live_heap_bytes() or 0)
-                self.stop.wait(1e-4)
-
-        def __exit__(self, *exc):
-            self.stop.set()
-            self.thread.join()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = out.parent / f"{out.stem}-run"
@@ -82,10 +60,10 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
     rss0 = trainer.memory_baseline
     trainer.evaluate()
     reset_peak_rss()  # where the trainer resets it
-    rows = []
+    rows, poll = [], LivePoller()
     for i in range(steps):
         if i == steps - 1:
-            with Sampler():
+            with poll:
                 trainer.train_step()
         else:
             trainer.train_step()
@@ -100,7 +78,7 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
         "rank": int(os.environ.get("RANK", "0")),
         "steps": rows,
         "resident_peak": max(r["resident_peak"] for r in rows),
-        "live_peak_last_step": Sampler.peak_live - base["live"],
+        "live_peak_last_step": poll.peak - base["live"],
     }
     record["resident_over_live"] = record["resident_peak"] / max(record["live_peak_last_step"], 1)
     Path(f"{out}.rank{record['rank']}").write_text(json.dumps(record))

@@ -86,6 +86,8 @@ def run_config(name: str, nproc: int, extra: list[str], profile: Path, steps: in
         "predicted_peak_memory_gb": summary.get("predicted_peak_memory_gb"),
         "predicted_live_memory_gb": summary.get("predicted_live_memory_gb"),
         "host_alloc_factor": summary.get("plan_host_alloc_factor"),
+        "host_runtime_gb": summary.get("plan_host_runtime_gb"),
+        "host_churn_factor": summary.get("plan_host_churn_factor"),
         "compute_share": summary.get("plan_compute_share"),
         "plan_error": summary.get("plan_error"),
         "predicted_memory_gib_by_part": summary.get("predicted_memory_gib_by_part"),

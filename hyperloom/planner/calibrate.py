@@ -22,8 +22,10 @@ runs it -- not a microbenchmark's best case:
 - attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
   few sequence lengths (same tokens each), as fractions of the GEMM peak on their causal
   FLOPs, in ``attn_table`` (flash kernels speed up with longer rows);
-- on CPU, the allocator's retention: peak RSS over peak live bytes of a training-shaped
-  loop in a fresh process (`host_memory.py`), stored as ``host_alloc_factor``;
+- on CPU, what a training process keeps resident beyond its live tensors: our trainer on a
+  small job at two micro-batch sizes in fresh processes, peak RSS against glibc's live
+  bytes, as a fixed amount (``host_runtime_bytes``) plus a share of what a step allocates
+  and frees (``host_churn_factor``; `host_memory.py`);
 - collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
   processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
   least squares, giving the scale-up bandwidth B and per-step latency alpha; on CPU also
@@ -55,6 +57,7 @@ import torch
 from hyperloom.accelerator import DTYPES, configure_host_allocator
 from hyperloom.accelerator import get_accelerator as get_device
 from hyperloom.planner.hardware import GIB, Accelerator, save_profile
+from hyperloom.planner.host_memory import standalone_env
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -326,21 +329,6 @@ def _fit_line(sizes: list[int], times: list[float]) -> tuple[float, float]:
     return max((sy - c * sx) / sw, 0.0), c
 
 
-_LAUNCHER_VARS = (
-    "TORCHELASTIC_",
-    "MASTER_",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_",
-    "TORCH_",
-    "HYPERLOOM_RESTART",
-)
-
-
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     """All-reduce, reduce-scatter and all-gather times over `world` local ranks: the
     all-reduce fitted to the ring model (bandwidth and latency), the other two as factors on
@@ -361,7 +349,7 @@ def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     would otherwise join torchrun's rendezvous store instead of their own group and hang.
     """
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    env = standalone_env()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
         code = (
@@ -514,21 +502,15 @@ def _calibrate(device, dtype, quick, collectives, host_allocator, progress):
         "layer_overhead_s": layer_overhead,
         "attention_tflops": [{"seq": q, "forward": f, "backward": b} for q, f, b in attn],
     }
-    host_factor = 1.0
+    host_fixed, host_churn = 0.0, 0.0
     if cpu:
-        from hyperloom.planner.host_memory import measure_allocator_retention
+        from hyperloom.planner.host_memory import RUNTIME_BATCHES, measure_runtime_memory
 
-        # the resident peak of one fresh process moves by ~10% from run to run: the median
-        # of three processes when not quick
-        say("allocator retention" + ("" if quick else ", 3 processes"))
-        runs = [
-            measure_allocator_retention(steps=3 if quick else 6, policy=host_allocator)
-            for _ in range(1 if quick else 3)
-        ]
-        runs = [r for r in runs if r]
-        raw["allocator_retention"] = runs
-        if runs:
-            host_factor = statistics.median(r["factor"] for r in runs)
+        say(f"resident memory of a training process (micro-batches {RUNTIME_BATCHES})")
+        fit = measure_runtime_memory(policy=host_allocator)
+        raw["runtime_memory"] = fit
+        if fit:
+            host_fixed, host_churn = fit["fixed_bytes"], fit["churn_factor"]
     link = {"intra_gbs": 0.0, "intra_latency_us": 0.0}
     wait_us = 0.0
     coll_scale: tuple[tuple[str, float], ...] = ()
@@ -557,7 +539,8 @@ def _calibrate(device, dtype, quick, collectives, host_allocator, progress):
         inter_eff=1.0,
         inter_latency_us=link["intra_latency_us"],
         gpus_per_node=world,
-        host_alloc_factor=host_factor,
+        host_runtime_bytes=host_fixed,
+        host_churn_factor=host_churn,
         source=f"measured by `hyperloom plan calibrate` on {acc.describe()} ({dtype})",
         gemm_table=tuple((s, t / peak) for s, t in gemms),
         elementwise_eff=min(1.0, elementwise["total_gbs"] / mem),
@@ -591,8 +574,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{profile.attn_bwd_eff:.0%} of peak, all-reduce "
         f"{profile.intra_gbs:.2f} GB/s bus, {profile.intra_latency_us:.1f} us/step"
         + (
-            f", host allocator {profile.host_alloc_factor:.2f}x resident/live"
-            if profile.host_alloc_factor != 1.0
+            f", host process {profile.host_runtime_bytes / 1e6:.0f} MB"
+            f" + {profile.host_churn_factor:.2f} x what a step churns"
+            if profile.host_runtime_bytes or profile.host_churn_factor
             else ""
         )
         + f" -> {path}"

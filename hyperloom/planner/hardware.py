@@ -74,9 +74,15 @@ class Accelerator:
     inter_eff: float = 0.9
     inter_latency_us: float = 5.0
     gpus_per_node: int = 8
-    # Resident bytes per live byte at a rank's peak: a CPU allocator's freed-but-kept pages
-    # (measured by `plan calibrate`, `host_memory.py`); 1.0 for device memory.
+    # A CPU process's resident bytes beyond its live tensors at a rank's peak (`host_memory`):
+    # ``host_runtime_bytes`` that do not grow with the job (compiled kernels' code and heap,
+    # the compiler's Python objects) plus ``host_churn_factor`` per byte a step allocates and
+    # frees (the heap's freed-but-kept pages), both measured by `plan calibrate`; and an older
+    # form, ``host_alloc_factor`` resident bytes per live byte (profiles before v10). Device
+    # memory: 1, 0 and 0.
     host_alloc_factor: float = 1.0
+    host_runtime_bytes: float = 0.0
+    host_churn_factor: float = 0.0
     source: str = ""
     # Calibrated GEMM efficiencies: ((m, n, k), eff) pairs, nearest shape wins.
     gemm_table: tuple[tuple[tuple[int, int, int], float], ...] = field(default=())
@@ -105,6 +111,11 @@ class Accelerator:
     # `calibrate` measures it on CPU (`measure_collectives`, "in step"); 0 where collectives
     # run asynchronously on a device stream (the datasheet profiles, calibrated GPUs).
     collective_wait_us: float = 0.0
+
+    @property
+    def host_memory(self) -> tuple[float, float, float]:
+        """(resident per live byte, fixed resident bytes, resident per churned byte)."""
+        return self.host_alloc_factor, self.host_runtime_bytes, self.host_churn_factor
 
     @property
     def supports_fp8(self) -> bool:

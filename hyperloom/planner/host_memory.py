@@ -1,25 +1,34 @@
-"""What a CPU process keeps resident beyond the bytes its tensors hold: the allocator's share.
+"""What a CPU process keeps resident beyond the bytes its tensors hold.
 
 On a GPU the planner predicts allocated bytes, and the caching allocator's reserve is the
 `ALLOC_FACTOR` in `memory.py`. A CPU job is measured as resident set size (the self-check's
-peak RSS), and there the C allocator decides: glibc's malloc serves tensors below its
-(dynamic, up to 32 MiB) mmap threshold from heaps, and the pages of freed chunks stay
-resident until the heap top can be trimmed. A training step frees and re-allocates its
-activations in a different order every pass, so holes accumulate and the heap, hence the RSS,
-settles well above the live bytes. Measured on this repository's 2-core container (torch
-2.13, glibc): peak RSS / peak live bytes is about 1.4 for a training loop, steady after 2-3
-steps, and limiting glibc to one arena did not change it.
+peak RSS), and there two things sit above the live tensors:
 
-`measure_allocator_retention` measures that factor for the runtime at hand: a fresh
-interpreter runs a fixed, training-shaped loop (a small SwiGLU-transformer-like stack of
-linear layers under BF16 autocast, a chunked cross-entropy over a 16k vocabulary, AdamW,
-gradients set to None each step), samples glibc's live bytes (``mallinfo2``: in-use heap
-chunks plus mmapped chunks) after every operator, and compares their peak with the peak RSS
-(VmHWM), both above the state before the loop. `hyperloom plan calibrate` stores the ratio
-as the profile's ``host_alloc_factor``; the memory model multiplies a rank's predicted peak by
-it (`memory.rank_memory`). Built-in GPU profiles keep 1.0. The loop's shapes are fixed, not
-the job's: the factor is taken as a property of allocator and runtime, which is what the
-validation (docs/planner.md section 4) tests.
+- what a training process holds whatever the job's size: the compiled kernels' code and
+  heap and the compiler's Python objects (pymalloc arenas, not malloc chunks). A fresh
+  process kept 58 MB of heap after a small model's first compiled steps, and about 130 MB more
+  of RSS;
+- what glibc's malloc keeps of freed chunks: tensors below its (dynamic, up to 32 MiB) mmap
+  threshold come from heaps, and the pages of freed chunks stay resident until the heap top
+  can be trimmed. A training step frees and re-allocates its activations in a different
+  order every pass, so holes accumulate.
+
+The planner used to scale the live peak by one measured ratio (peak RSS / peak live of a
+loop of plain linears, 1.35-1.54 between calibrations). Over the 12 validation layouts of
+the default model the ratio was 1.25-1.76 while the difference, RSS minus live, stayed at
+0.10-0.30 GB (docs/planner.md section 4): mostly a fixed amount, and more where a step
+allocates and frees more. So `measure_runtime_memory` measures, with our own trainer on a
+small job (`RUNTIME_JOB`, not the default model) at two micro-batch sizes, each in a fresh
+one-thread process: peak RSS above the trainer's pre-model baseline, glibc's live bytes
+(``mallinfo2``: in-use heap chunks plus mmapped chunks) polled through the last step, and
+the live bytes between steps. The two jobs hold the same states and differ in what a step
+churns (live peak less live between steps), so resident - live = fixed + churn x churned is
+a line through them. Fitting resident = fixed + factor x live instead was ill-conditioned
+(batches 2 and 8: 91 MB + 1.20 x; 2 and 16: 0 MB + 1.55-1.69 x). `hyperloom plan calibrate`
+stores the two as ``host_runtime_bytes`` and ``host_churn_factor`` (about 100 MB and 0.35-0.45
+on the development container); the memory model adds them to a rank's live peak with its
+activations, working set and weight casts as the churn (`memory.rank_memory`). Built-in
+GPU profiles keep 0.
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -75,75 +83,129 @@ def live_heap_bytes() -> int | None:
     return m.uordblks + m.hblkhd
 
 
-def _retention_loop(steps: int, policy: str = "cache") -> dict[str, float]:
-    """The measurement itself (run in a fresh interpreter by `measure_allocator_retention`)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
+# A training job of our own runtime, smaller than the default model and two batch sizes apart:
+# what `measure_runtime_memory` trains in fresh processes (the default tokenizer's vocabulary).
+RUNTIME_JOB = ("--model.dim", "256", "--model.n_layers", "3", "--model.n_heads", "4",
+               "--model.ffn_dim", "768", "--data.seq_len", "256")  # fmt: skip
+RUNTIME_BATCHES = (2, 16)
 
-    from hyperloom.accelerator import (
-        Accelerator,
-        configure_host_allocator,
-        peak_rss_bytes,
-        reset_peak_rss,
-    )
 
-    applied = configure_host_allocator(policy)  # as the trainer does, before any tensor
+class LivePoller:
+    """glibc's live bytes polled from a thread while a block runs; `peak` their maximum. Not
+    a dispatch mode: under one, torch.compile runs the compiled kernels' Python bodies instead,
+    whose float32 temporaries would count."""
 
-    if live_heap_bytes() is None or not Path("/proc/self/clear_refs").exists():
+    def __init__(self, every_s: float = 1e-4):
+        self.every_s, self.peak = every_s, 0
+
+    def __enter__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def _poll(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, live_heap_bytes() or 0)
+            self.stop.wait(self.every_s)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def _runtime_entry(mbs: str, steps: str, policy: str) -> dict[str, float]:
+    """One training job of `RUNTIME_JOB` at micro-batch `mbs` (run in a fresh interpreter by
+    `measure_runtime_memory`): the trainer's resident peak above its pre-model baseline, as
+    the self-check measures it, and glibc's live peak through the last step above the live
+    bytes at that baseline."""
+    import tempfile
+
+    from hyperloom.accelerator import Accelerator, peak_rss_bytes
+    from hyperloom.config import load_config
+    from hyperloom.train.trainer import Trainer
+
+    if live_heap_bytes() is None:
         return {}
-    live = live_heap_bytes
+    cpu_type, base = Accelerator, {}
+    take = cpu_type.current_memory_bytes
 
-    class Sample(TorchDispatchMode):
-        peak = 0
+    def at_baseline(self) -> int:  # the trainer's baseline call: note the live heap there
+        base.setdefault("live", live_heap_bytes() or 0)
+        return take(self)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            Sample.peak = max(Sample.peak, live())
-            return out
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [*RUNTIME_JOB, "--train.micro_batch_size", mbs, "--train.host_allocator", policy]
+        args += ["--logging.run_dir", tmp, "--train.eval_batches", "1"]
+        cfg = load_config(None, args)
+        cpu_type.current_memory_bytes = at_baseline
+        try:
+            trainer = Trainer(cfg)
+        finally:
+            cpu_type.current_memory_bytes = take
+        trainer.evaluate()  # as `Trainer.run` starts: evaluate, then reset the peak
+        trainer.acc.reset_peak_memory()
+        for _ in range(int(steps) - 1):
+            trainer.train_step()
+        between = (live_heap_bytes() or 0) - base["live"]  # the states, gradients freed
+        with LivePoller() as poll:
+            trainer.train_step()
+        live = poll.peak - base["live"]
+        return {
+            "micro_batch": int(mbs),
+            "resident_bytes": peak_rss_bytes() - trainer.memory_baseline,
+            "live_bytes": live,
+            "churn_bytes": live - between,
+        }
 
-    torch.manual_seed(0)
-    dim, ffn, layers, vocab, tokens, chunk = 384, 1024, 6, 16384, 2048, 256
-    base_rss, base_live = Accelerator("cpu").current_memory_bytes(), live()
-    reset_peak_rss()
-    lin = torch.nn.Linear
-    blocks = torch.nn.ModuleList(
-        torch.nn.ModuleList(
-            [
-                lin(dim, 3 * dim, bias=False),
-                lin(dim, dim, bias=False),
-                lin(dim, 2 * ffn, bias=False),
-                lin(ffn, dim, bias=False),
-            ]
+
+def measure_runtime_memory(steps: int = 3, policy: str = "cache") -> dict[str, float]:
+    """What a CPU training process keeps resident beyond its live tensors (module docstring):
+    ``resident - live = fixed + churn * churned``, where ``churned`` is what a step allocates
+    and frees (the live peak less the live bytes between steps: activations, the backward's
+    working set, weight casts). Fitted through `RUNTIME_JOB` trained at the two
+    `RUNTIME_BATCHES` in fresh processes (one thread each, as a rank of a multi-process job
+    runs): the two batches hold the same states and differ in what they churn. {} where it
+    cannot be measured (no glibc)."""
+    runs = [
+        in_fresh_process(
+            "hyperloom.planner.host_memory._runtime_entry",
+            [str(mbs), str(steps), policy],
+            f"runtime memory at micro-batch {mbs}",
+            env={"OMP_NUM_THREADS": "1"},
         )
-        for _ in range(layers)
-    )
-    emb, head = torch.nn.Embedding(vocab, dim), lin(dim, vocab, bias=False)
-    params = [*blocks.parameters(), *emb.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    with Sample():
-        for _ in range(steps):
-            x = emb(torch.randint(0, vocab, (tokens,)))  # (tokens, dim)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                for qkv, out, fc1, fc2 in blocks:
-                    a = qkv(F.rms_norm(x, (dim,)))[:, :dim]
-                    x = x + out(F.silu(a))
-                    gate, up = fc1(F.rms_norm(x, (dim,))).chunk(2, -1)  # (tokens, ffn) each
-                    x = x + fc2(F.silu(gate) * up)
-                labels = torch.zeros(chunk, dtype=torch.long)
-                loss = sum(F.cross_entropy(head(c).float(), labels) for c in x.split(chunk))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    resident = peak_rss_bytes() - base_rss
-    peak_live = Sample.peak - base_live
-    return {
-        "steps": steps,
-        "peak_live_bytes": peak_live,
-        "peak_resident_bytes": resident,
-        "factor": resident / peak_live if peak_live > 0 else 1.0,
-        "host_allocator": applied,
-    }
+        for mbs in RUNTIME_BATCHES
+    ]
+    if not all(runs):
+        return {}
+    (s1, a1), (s2, a2) = ((r["resident_bytes"] - r["live_bytes"], r["churn_bytes"]) for r in runs)
+    churn = max(0.0, (s2 - s1) / (a2 - a1)) if a2 > a1 else 0.0
+    fixed = max(0.0, s1 - churn * a1)
+    return {"runs": runs, "churn_factor": churn, "fixed_bytes": fixed}
+
+
+_LAUNCHER_VARS = (
+    "TORCHELASTIC_",
+    "MASTER_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_",
+    "TORCH_",
+    "HYPERLOOM_RESTART",
+)
+
+
+def standalone_env() -> dict[str, str]:
+    """This process's environment without a launcher's variables: a child started from a
+    torchrun worker (the training self-check calibrates there) would otherwise join
+    torchrun's rendezvous store, or initialise a process group, and hang."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
 
 
 def in_fresh_process(call: str, args: list[str], what: str, env: dict | None = None) -> dict:
@@ -159,7 +221,7 @@ def in_fresh_process(call: str, args: list[str], what: str, env: dict | None = N
             [sys.executable, "-c", code, *args],
             capture_output=True,
             text=True,
-            env={**os.environ, **(env or {})},
+            env={**standalone_env(), **(env or {})},
             timeout=300,
             check=True,
         )
@@ -167,20 +229,3 @@ def in_fresh_process(call: str, args: list[str], what: str, env: dict | None = N
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         log.warning("%s not measured: %s", what, exc)
         return {}
-
-
-def _retention_entry(steps: str, policy: str) -> dict[str, float]:
-    return _retention_loop(int(steps), policy)
-
-
-def measure_allocator_retention(steps: int = 4, policy: str = "cache") -> dict[str, float]:
-    """Peak RSS over peak live bytes of a training-shaped loop in a fresh CPU process under
-    the host allocator `policy` (module docstring); {} where it cannot be measured (no
-    glibc, no /proc), and the factor is 1."""
-    # One thread, as each rank of a multi-process CPU job runs (torchrun's OMP_NUM_THREADS).
-    return in_fresh_process(
-        "hyperloom.planner.host_memory._retention_entry",
-        [str(steps), policy],
-        "allocator retention",
-        env={"OMP_NUM_THREADS": "1"},
-    )

@@ -38,9 +38,10 @@ NCCL.
 One runtime fact applies where the `Runtime` says so (`strategy.job_runtime`, the training
 self-check's runtime): the fused, chunked cross-entropy, which saves no logits but keeps the FP32 input and weight
 gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
-(`ce_working_bytes`). A CPU profile's ``host_alloc_factor`` (measured by `plan calibrate`,
-`host_memory.py`) turns the live peak into resident bytes: `Memory.allocator` is the
-difference, 0 on devices.
+(`ce_working_bytes`). A CPU profile's ``host_runtime_bytes`` and ``host_churn_factor``
+(measured by `plan calibrate`, `host_memory.py`) turn the live peak into resident bytes: a
+fixed amount per process plus a share of what each step allocates and frees.
+`Memory.allocator` is the difference, 0 on devices.
 
 Gradients at the activation peak (`grads_at_peak`): Megatron keeps persistent FP32 gradient
 buffers, so all of them count. hyperloom's trainer sets them to None after every step, and
@@ -261,13 +262,14 @@ def rank_memory(
     in_flight: int,
     w_pending: int,
     chunk_experts: list[float] | None = None,
-    host_alloc_factor: float = 1.0,
+    host: tuple[float, float, float] = (1.0, 0.0, 0.0),
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
-    that is local routed experts (ep > 1); `host_alloc_factor` is the accelerator profile's
-    resident-over-live ratio (CPU allocator retention, 1 on devices)."""
+    that is local routed experts (ep > 1); `host` is the accelerator profile's
+    `Accelerator.host_memory`: what a CPU process keeps resident beyond the live bytes
+    (nothing on devices)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
@@ -325,6 +327,11 @@ def rank_memory(
         step_peak=step_peak,
         peak_grads=grads_at_peak(spec, s, rt, g, last in chunks),
     )
-    if host_alloc_factor == 1.0:
+    factor, fixed, churn = host
+    if factor == 1.0 and not fixed and not churn:
         return live
-    return dataclasses.replace(live, allocator=(host_alloc_factor - 1.0) * live.live)
+    # what a step allocates and frees: the in-flight activations, the backward's working set
+    # and the per-micro-batch weight casts
+    churned = activations + transient + buffers
+    extra = (factor - 1.0) * live.live + fixed + churn * churned
+    return dataclasses.replace(live, allocator=extra)

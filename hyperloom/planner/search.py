@@ -222,7 +222,7 @@ def search(
             continue
         memory_checked += 1
         ranks = tuple(sorted({0, min(1, s.pp - 1), s.pp - 1}))
-        mems = memory_per_rank(spec, s, seq, rt, prep, ranks, cluster.accel.host_alloc_factor)
+        mems = memory_per_rank(spec, s, seq, rt, prep, ranks, cluster.accel.host_memory)
         peak = max(m.peak for m in mems)
         if peak / _ALLOC > capacity:
             rejected["over memory"] += 1

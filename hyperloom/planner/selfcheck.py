@@ -103,14 +103,15 @@ def cached_profile(
 ) -> Accelerator:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent."""
-    # v9: the cast rate (cast_eff); v8: CPU profiles measured with all cores also inside a
+    # v10: resident memory as a fixed part plus a share of each step's churn; v9: the cast
+    # rate (cast_eff); v8: CPU profiles measured with all cores also inside a
     # rank (v6-v7 measured one thread there and then took a rank's share of it again);
     # v7: the wait of CPU collectives between computing ranks (collective_wait_us);
     # v6: GEMMs in interleaved rounds, the per-layer overhead from each model's fastest step;
     # v5: the per-layer host overhead; v4: kernels timed in their training form, elementwise
     # and attention tables; v3: CPU profiles measured under the run's host allocator policy
     policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v9.json"
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v10.json"
     if path.exists():
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate
@@ -198,6 +199,8 @@ def self_check(
         "predicted_peak_memory_gb": plan.peak_memory / 1e9,
         "predicted_live_memory_gb": max(m.live for m in plan.memory) / 1e9,
         "plan_host_alloc_factor": profile.host_alloc_factor,
+        "plan_host_runtime_gb": profile.host_runtime_bytes / 1e9,
+        "plan_host_churn_factor": profile.host_churn_factor,
         "measured_peak_memory_gb": None
         if measured_peak_bytes is None
         else measured_peak_bytes / 1e9,

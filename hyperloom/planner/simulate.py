@@ -321,10 +321,10 @@ def memory_per_rank(
     rt: Runtime,
     prep: Prepared,
     ranks: tuple[int, ...] | None = None,
-    host_alloc_factor: float = 1.0,
+    host: tuple[float, float, float] = (1.0, 0.0, 0.0),
 ) -> list[Memory]:
     """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last);
-    `host_alloc_factor` from the accelerator profile (`Accelerator.host_alloc_factor`)."""
+    `host` from the accelerator profile (`Accelerator.host_memory`)."""
     _, in_flight, w_pending = prep.structure()
     return [
         rank_memory(
@@ -339,7 +339,7 @@ def memory_per_rank(
             in_flight[r],
             w_pending[r],
             list(prep.experts),
-            host_alloc_factor,
+            host,
         )
         for r in (range(s.pp) if ranks is None else ranks)
     ]
@@ -485,7 +485,7 @@ def predict(
         step_time=step,
         bubble_fraction=1.0 - busy_all / (s.pp * makespan) if makespan else 0.0,
         mfu=flops / (step * cluster.gpus * cluster.accel.bf16_tflops * 1e12),
-        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.accel.host_alloc_factor),
+        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.accel.host_memory),
         capacity=(cluster.accel.hbm_gib - margin_gib) * GIB,
         breakdown=parts[finish.index(step)],
         simulated_microbatches=m_runs[0],

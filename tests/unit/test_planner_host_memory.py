@@ -98,16 +98,21 @@ def test_fused_cross_entropy_allocates_what_the_model_says(tokens, dim, vocab):
     assert fwd_peak == pytest.approx(kept + ce_working_bytes(spec, s, tokens), rel=0.1)
 
 
-def test_host_alloc_factor_scales_the_live_peak_and_leaves_devices_alone():
+def test_host_memory_adds_a_fixed_part_and_a_share_of_the_churn_and_leaves_devices_alone():
     s = Strategy(dp=1, mbs=1, microbatches=1)
-    cpu = dataclasses.replace(get_accelerator("h100"), host_alloc_factor=1.4)
-    plain = predict(SMALL, Cluster(get_accelerator("h100"), 1, 1), s, 16, margin_gib=0)
+    h100 = get_accelerator("h100")
+    cpu = dataclasses.replace(h100, host_runtime_bytes=90e6, host_churn_factor=0.4)
+    plain = predict(SMALL, Cluster(h100, 1, 1), s, 16, margin_gib=0)
     held = predict(SMALL, Cluster(cpu, 1, 1), s, 16, margin_gib=0)
     m0, m1 = plain.memory[0], held.memory[0]
     assert m0.allocator == 0 and m0.peak == m0.live
     assert m1.live == pytest.approx(m0.live)
-    assert m1.allocator == pytest.approx(0.4 * m0.live) and m1.peak == pytest.approx(1.4 * m0.live)
-    assert all(a.host_alloc_factor == 1.0 for a in map(get_accelerator, ("h100", "a100")))
+    churned = m0.activations + m0.transient + m0.buffers
+    assert churned > 0 and m1.allocator == pytest.approx(90e6 + 0.4 * churned)
+    # the older form, resident bytes per live byte, still applies to profiles that carry it
+    old = predict(SMALL, Cluster(dataclasses.replace(h100, host_alloc_factor=1.4), 1, 1), s, 16)
+    assert old.memory[0].allocator == pytest.approx(0.4 * m0.live)
+    assert all(a.host_memory == (1.0, 0.0, 0.0) for a in map(get_accelerator, ("h100", "a100")))
 
 
 def test_self_check_runtime_follows_the_job_ops():
@@ -118,15 +123,22 @@ def test_self_check_runtime_follows_the_job_ops():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2 and /proc")
-def test_allocator_retention_is_measured_in_a_fresh_process():
-    from hyperloom.planner.host_memory import measure_allocator_retention
+def test_runtime_memory_is_a_line_through_two_fresh_training_processes():
+    from hyperloom.planner.host_memory import RUNTIME_BATCHES, measure_runtime_memory
 
-    got = measure_allocator_retention(steps=1)
+    got = measure_runtime_memory(steps=2)
     if not got:
         pytest.skip("no glibc mallinfo2 here")
-    assert got["peak_live_bytes"] > 100e6  # params, Adam, activations of the fixed loop
-    assert 1.0 <= got["factor"] < 3.0
-    assert got["factor"] == pytest.approx(got["peak_resident_bytes"] / got["peak_live_bytes"])
+    (small, big) = got["runs"]
+    assert [small["micro_batch"], big["micro_batch"]] == list(RUNTIME_BATCHES)
+    # params and Adam of the ~11M-parameter job in both; the larger batch churns more
+    assert 150e6 < small["live_bytes"] < big["live_bytes"]
+    assert 0 < small["churn_bytes"] < big["churn_bytes"] < big["live_bytes"]
+    assert 0 <= got["churn_factor"] < 3.0 and 0 <= got["fixed_bytes"] < 1e9
+    for run in (small, big):  # the line through both runs' surplus (fixed clipped at 0)
+        surplus = run["resident_bytes"] - run["live_bytes"]
+        line = got["fixed_bytes"] + got["churn_factor"] * run["churn_bytes"]
+        assert line == pytest.approx(surplus, rel=1e-6) or got["fixed_bytes"] == 0
 
 
 def test_saved_tensors_per_layer_are_the_runtimes():

@@ -209,7 +209,10 @@ def self_check(
         out["step_time_error"] = step / measured_step_s - 1
     if measured_peak_bytes:
         out["memory_error"] = plan.peak_memory / measured_peak_bytes - 1
+    # the rank whose peak is compared (a pipeline's busiest stage, not necessarily rank 0)
+    busiest = max(plan.memory, key=lambda m: m.peak)
+    out["predicted_memory_rank"] = plan.memory.index(busiest)
     out["predicted_memory_gib_by_part"] = {
-        k: round(v / GIB, 4) for k, v in plan.memory[0].to_dict().items()
+        k: round(v / GIB, 4) for k, v in busiest.to_dict().items()
     }
     return out

@@ -115,3 +115,17 @@ def test_zero1_on_cpu_is_costed_as_the_runtime_runs_it():
     rs = collective_time("reduce_scatter", 2, 4 * n, links.dp)
     ag = collective_time("all_gather", 2, rt.param_gather_bytes * n, links.dp)
     assert total == pytest.approx(rs + ag) and rs + ag > 2 * ar  # gloo's slow reduce-scatter
+
+
+def test_memory_parts_are_those_of_the_rank_whose_peak_is_compared():
+    # GPipe on two stages: the last stage (head, loss) peaks above the first
+    job = load_config(
+        None,
+        ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--train.micro_batch_size", "2"]
+        + ["--parallel.microbatches", "4"],
+        world_size=2,
+    )
+    out = self_check(job, CPU, 2, None, None)
+    parts = out["predicted_memory_gib_by_part"]
+    assert out["predicted_memory_rank"] == 1
+    assert parts["peak"] * 2**30 / 1e9 == pytest.approx(out["predicted_peak_memory_gb"], rel=1e-3)

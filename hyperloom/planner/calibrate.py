@@ -437,7 +437,10 @@ def calibrate(
         torch.set_num_threads(threads)
 
 
-def _calibrate(device, dtype, quick, collectives, host_allocator, progress):
+def _calibrate(
+    device: str, dtype: str, quick: bool, collectives: bool, host_allocator: str, progress
+) -> tuple[Accelerator, dict]:
+    """`calibrate`'s measurements, at the thread count the caller set."""
     say = progress or (lambda text: None)
     acc = get_device(device)
     cpu = acc.kind == "cpu"

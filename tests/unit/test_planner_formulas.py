@@ -404,7 +404,9 @@ def test_autocast_casts_cost_the_forward_backward_and_weight_gradient_passes():
     plain = build_layer(spec, 8, 256, 1, 1, False, mega.sharded_save, 1, False)
     assert plain.cast_elements == 0
     m_slow = layer_phase(plain, spec, s, slow, links, mega)
-    assert m_slow == layer_phase(plain, spec, s, dataclasses.replace(slow, cast_eff=1.0), links, mega)
+    assert m_slow == layer_phase(
+        plain, spec, s, dataclasses.replace(slow, cast_eff=1.0), links, mega
+    )
 
 
 def test_zero1_step_counts_the_runtimes_unfused_adamw_and_publication():

@@ -175,6 +175,30 @@ def norm_accumulator(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+NORM_SLICE = 1 << 16  # elements per float32 partial norm in `sum_of_squares`
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of every element's square over `tensors`, a `norm_accumulator` scalar.
+
+    Float32 tensors: float32 norms of `NORM_SLICE`-element slices, squared and summed in
+    float64 (other dtypes: norms with a float64 accumulator, as before). Asking
+    `_foreach_norm` for a float64 accumulator instead materialises a float64 copy of each
+    whole tensor on CPU: 12.9 ms for the default model's gradients against 5.3 ms this way.
+    A float32 norm of a whole 6M-element gradient is off by ~2e-4 relative, enough to make
+    layouts disagree with one process; over 64K-element slices the sum was off by 3.5e-7
+    (against float64 throughout, measured on the default model's gradient shapes)."""
+    acc = norm_accumulator(device)
+    total = torch.zeros((), device=device, dtype=acc)
+    f32 = [s for t in tensors if t.dtype == torch.float32 for s in t.reshape(-1).split(NORM_SLICE)]
+    if f32:
+        total = total + torch.stack(torch._foreach_norm(f32, 2.0)).to(acc).square().sum()
+    other = [t for t in tensors if t.dtype != torch.float32]  # low precision: half the copy
+    if other:
+        total = total + torch.stack(torch._foreach_norm(other, 2.0, dtype=acc)).square().sum()
+    return total
+
+
 def _proc_status_kib(field: str) -> int:
     try:
         match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)

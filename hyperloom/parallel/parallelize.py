@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperloom.accelerator import norm_accumulator
+from hyperloom.accelerator import sum_of_squares
 from hyperloom.config import TrainConfig
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.expert_parallel import ExpertParallelism
@@ -239,22 +239,13 @@ class ParallelModel:
             else:
                 (sharded if getattr(p, "shard_spec", None) else replicated).append(g)
         dev = next(self.inner.parameters()).device
-        # Squares are summed in float64: a float32 norm of a 6M-element gradient is off by
-        # ~1e-4 relative on CPU, enough to make layouts disagree with one process. The
-        # foreach norm with a float64 accumulator still reads each gradient once.
-        acc = norm_accumulator(dev)
-
-        def sq(gs):
-            if not gs:
-                return torch.zeros((), device=dev, dtype=acc)
-            return torch.stack(torch._foreach_norm(gs, dtype=acc)).square().sum()
-
-        sharded_sq = sq(sharded)
+        # float64 sums of float32 slice norms: layouts agree with one process
+        sharded_sq = sum_of_squares(sharded, dev)
         if self.tp_group is not None:
             dist.all_reduce(sharded_sq, group=self.tp_group)
-        total_sq = sharded_sq + sq(replicated)
+        total_sq = sharded_sq + sum_of_squares(replicated, dev)
         if self.experts is not None:
-            expert_sq = sq(experts)
+            expert_sq = sum_of_squares(experts, dev)
             dist.all_reduce(expert_sq, group=self.experts.group)
             total_sq = total_sq + expert_sq
         if self.zero == 3 and self.mesh.group("dp") is not None:

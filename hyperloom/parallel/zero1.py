@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperloom.accelerator import norm_accumulator
+from hyperloom.accelerator import sum_of_squares
 from hyperloom.config import TrainConfig
 
 
@@ -194,14 +194,9 @@ class ZeroOneAdamW:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm from the gradient shards (tp shards summed over tp, replicas once)."""
         g = self.grad_shard
-        acc = norm_accumulator(g.device)
 
         def squares(which: list[bool]) -> torch.Tensor:
-            views = self._piece_views(g, which)
-            if not views:
-                return torch.zeros((), dtype=acc, device=g.device)
-            norms = torch._foreach_norm(views, 2.0, dtype=acc)
-            return torch.stack(norms).square().sum()
+            return sum_of_squares(self._piece_views(g, which), g.device)
 
         sharded_sq = squares(self.norm_sharded)
         replicated_sq = squares(self.norm_replicated)

@@ -226,11 +226,12 @@ def layer_phase(
     host = acc.layer_overhead_s  # not scaled with compute: the host runs it one-threaded
     # Autocast's eager casts. With FP32 parameters each forward casts the weights to BF16 and
     # the weight-gradient pass casts their BF16 gradients back (every micro-batch: the cast
-    # cache lives for one autocast region). Per op, each linear's input is cast to BF16, and
-    # the backward casts its gradient back and sums those of the linears that read the same
-    # norm output (12 B per summed element).
+    # cache lives for one autocast region; FP8 linears quantise the weights instead, which
+    # `optimizer_time` counts). Per op, each linear's input is cast to BF16, and the backward
+    # casts its gradient back and sums those of the linears that read the same norm output
+    # (12 B per summed element).
     weight_cast = 0.0
-    if rt.autocast_weight_copy and rt.param_bytes == 4:
+    if rt.autocast_weight_copy and rt.param_bytes == 4 and not fp8:
         weight_cast = acc.cast_time(6.0 * sum(g.n * g.k * g.count for g in layer.gemms))
     cast_f = acc.cast_time(6.0 * layer.cast_elements) + weight_cast
     cast_b = acc.cast_time(6.0 * layer.cast_elements + 12.0 * layer.cast_sum_elements)

@@ -33,10 +33,9 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
     """One rank (under torchrun when the layout has several): train `steps` steps, sample."""
     import torch.distributed as dist
 
-    from hyperloom.accelerator import Accelerator, peak_rss_bytes, reset_peak_rss
+    from hyperloom.accelerator import peak_rss_bytes, reset_peak_rss
     from hyperloom.config import load_config
-    from hyperloom.planner.host_memory import LivePoller, live_heap_bytes
-    from hyperloom.train.trainer import Trainer
+    from hyperloom.planner.host_memory import LivePoller, live_heap_bytes, trainer_at_live_baseline
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = out.parent / f"{out.stem}-run"
@@ -45,18 +44,7 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
         [*overrides, "--logging.run_dir", str(run_dir), "--train.eval_batches", "1"],
         world_size=world,
     )
-    cpu = Accelerator("cpu")
-    base: dict[str, int] = {}
-    take = cpu.current_memory_bytes
-
-    def baseline_too() -> int:  # the trainer's baseline, and the live heap at that moment
-        base.setdefault("live", live_heap_bytes() or 0)
-        return take()
-
-    cpu_type = type(cpu)
-    cpu_type.current_memory_bytes = lambda self: baseline_too()
-    trainer = Trainer(cfg)
-    cpu_type.current_memory_bytes = lambda self: take()
+    trainer, base_live = trainer_at_live_baseline(cfg)
     rss0 = trainer.memory_baseline
     trainer.evaluate()
     reset_peak_rss()  # where the trainer resets it
@@ -70,7 +58,7 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
         rows.append(
             {
                 "resident_peak": peak_rss_bytes() - rss0,
-                "live_between_steps": (live_heap_bytes() or 0) - base["live"],
+                "live_between_steps": (live_heap_bytes() or 0) - base_live,
             }
         )
     record = {
@@ -78,7 +66,7 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
         "rank": int(os.environ.get("RANK", "0")),
         "steps": rows,
         "resident_peak": max(r["resident_peak"] for r in rows),
-        "live_peak_last_step": poll.peak - base["live"],
+        "live_peak_last_step": poll.peak - base_live,
     }
     record["resident_over_live"] = record["resident_peak"] / max(record["live_peak_last_step"], 1)
     Path(f"{out}.rank{record['rank']}").write_text(json.dumps(record))

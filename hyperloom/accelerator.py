@@ -182,12 +182,12 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     """The sum of every element's square over `tensors`, a `norm_accumulator` scalar.
 
     Float32 tensors: float32 norms of `NORM_SLICE`-element slices, squared and summed in
-    float64 (other dtypes: norms with a float64 accumulator, as before). Asking
-    `_foreach_norm` for a float64 accumulator instead materialises a float64 copy of each
-    whole tensor on CPU: 12.9 ms for the default model's gradients against 5.3 ms this way.
-    A float32 norm of a whole 6M-element gradient is off by ~2e-4 relative, enough to make
-    layouts disagree with one process; over 64K-element slices the sum was off by 3.5e-7
-    (against float64 throughout, measured on the default model's gradient shapes)."""
+    float64; other dtypes: norms with a float64 accumulator. Asking `_foreach_norm` for a
+    float64 accumulator on float32 tensors materialises a float64 copy of each whole tensor
+    on CPU: 12.9 ms against 5.3 ms this way, for random tensors shaped like the default
+    model's gradients. A float32 norm of a whole 6M-element tensor is off by ~2e-4 relative,
+    enough to make layouts disagree with one process; over 64K-element slices the sum was off
+    by 3.5e-7 (against float64 throughout, on those tensors)."""
     acc = norm_accumulator(device)
     total = torch.zeros((), device=device, dtype=acc)
     f32 = [s for t in tensors if t.dtype == torch.float32 for s in t.reshape(-1).split(NORM_SLICE)]

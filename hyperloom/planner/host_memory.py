@@ -116,6 +116,27 @@ class LivePoller:
         self.thread.join()
 
 
+def trainer_at_live_baseline(cfg):
+    """(a `Trainer` for the job `cfg`, glibc's live bytes at the moment the trainer takes its
+    pre-model memory baseline, the self-check's zero): live peaks above that number compare
+    with the resident peak above `Trainer.memory_baseline`."""
+    from hyperloom.accelerator import Accelerator
+    from hyperloom.train.trainer import Trainer
+
+    take, base = Accelerator.current_memory_bytes, {}
+
+    def at_baseline(self) -> int:  # the trainer's baseline call: note the live heap there
+        base.setdefault("live", live_heap_bytes() or 0)
+        return take(self)
+
+    Accelerator.current_memory_bytes = at_baseline
+    try:
+        trainer = Trainer(cfg)
+    finally:
+        Accelerator.current_memory_bytes = take
+    return trainer, base["live"]
+
+
 def _runtime_entry(mbs: str, steps: str, policy: str) -> dict[str, float]:
     """One training job of `RUNTIME_JOB` at micro-batch `mbs` (run in a fresh interpreter by
     `measure_runtime_memory`): the trainer's resident peak above its pre-model baseline, as
@@ -123,36 +144,23 @@ def _runtime_entry(mbs: str, steps: str, policy: str) -> dict[str, float]:
     bytes at that baseline."""
     import tempfile
 
-    from hyperloom.accelerator import Accelerator, peak_rss_bytes
+    from hyperloom.accelerator import peak_rss_bytes
     from hyperloom.config import load_config
-    from hyperloom.train.trainer import Trainer
 
     if live_heap_bytes() is None:
         return {}
-    cpu_type, base = Accelerator, {}
-    take = cpu_type.current_memory_bytes
-
-    def at_baseline(self) -> int:  # the trainer's baseline call: note the live heap there
-        base.setdefault("live", live_heap_bytes() or 0)
-        return take(self)
-
     with tempfile.TemporaryDirectory() as tmp:
         args = [*RUNTIME_JOB, "--train.micro_batch_size", mbs, "--train.host_allocator", policy]
         args += ["--logging.run_dir", tmp, "--train.eval_batches", "1"]
-        cfg = load_config(None, args)
-        cpu_type.current_memory_bytes = at_baseline
-        try:
-            trainer = Trainer(cfg)
-        finally:
-            cpu_type.current_memory_bytes = take
+        trainer, base = trainer_at_live_baseline(load_config(None, args))
         trainer.evaluate()  # as `Trainer.run` starts: evaluate, then reset the peak
         trainer.acc.reset_peak_memory()
         for _ in range(int(steps) - 1):
             trainer.train_step()
-        between = (live_heap_bytes() or 0) - base["live"]  # the states, gradients freed
+        between = (live_heap_bytes() or 0) - base  # the states, gradients freed
         with LivePoller() as poll:
             trainer.train_step()
-        live = poll.peak - base["live"]
+        live = poll.peak - base
         return {
             "micro_batch": int(mbs),
             "resident_bytes": peak_rss_bytes() - trainer.memory_baseline,

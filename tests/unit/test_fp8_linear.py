@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hyperloom.config import PrecisionConfig
+from hyperloom.config import ModelConfig, PrecisionConfig
 from hyperloom.engine.fp8 import (
     DEFAULT_KEEP,
     RECIPE_NAMES,
@@ -27,6 +27,7 @@ from hyperloom.engine.fp8 import (
     recipe_from_name,
     tensor_core_gemm,
 )
+from hyperloom.models.registry import build_model
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,3 +230,21 @@ def test_tiny_fp8_training_run(tmp_path, tiny_job_args, recipe):
     summary = trainer.run().summary
     assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
     assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def test_materialize_gives_fp8_linears_fresh_scaling_state():
+    """A model converted to FP8 on the meta device and then materialised starts delayed
+    scaling from empty histories and unit scales, not from what to_empty left in memory (a
+    benchmark that skipped the reset got NaN outputs on its first step)."""
+    cfg = ModelConfig(n_layers=1)
+    model = build_model(cfg)
+    convert_to_fp8(model, recipe_from_name("delayed"))
+    model.materialize(torch.device("cpu"), seed=0)
+    buffers = dict(model.named_buffers())
+    hist = [b for n, b in buffers.items() if n.endswith("fp8_amax_history")]
+    scales = [b for n, b in buffers.items() if n.endswith("fp8_scale")]
+    assert hist and len(hist) == len(scales) == 7  # q, k, v, o, w1, w2, w3
+    assert all(torch.equal(h, torch.zeros_like(h)) for h in hist)
+    assert all(torch.equal(s, torch.ones_like(s)) for s in scales)
+    x = torch.randint(0, cfg.vocab_size, (1, 8))
+    assert torch.isfinite(model(x)).all()

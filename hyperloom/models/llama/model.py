@@ -38,6 +38,7 @@ from torch import nn
 
 from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
+from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.ops import OpImpls
 
 
@@ -239,9 +240,12 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def materialize(self, device: torch.device, seed: int) -> Llama:
-        """Allocate storage on `device` (from the meta device) and initialise from `seed`."""
+        """Allocate storage on `device` (from the meta device) and initialise from `seed`.
+        FP8 linears swapped in on the meta device get empty amax histories and unit scales:
+        `to_empty` leaves buffers uninitialised."""
         self.to_empty(device=device)
         self.init_weights(seed)
+        reset_fp8_state(self)
         return self
 
     def forward(

@@ -13,7 +13,8 @@
 # A machine whose Python has PyTorch with CUDA but not hyperloom's own dependencies: the run
 # puts the repository on PYTHONPATH, and installs wheels from .whl/ when that folder exists
 # (a pure-Python dependency such as tomli-w can be fetched beforehand on a machine with
-# internet: `pip download --no-deps -d .whl tomli-w`).
+# internet: `pip download --no-deps -d .whl tomli-w`; keep .whl/ out of git and send it along
+# with the working tree). Without them the run stops at once and says what is missing.
 #
 #   bash benchmarks/gpu_checks.sh              # OUT=... to choose where results go
 set -uo pipefail
@@ -26,6 +27,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/hyperloom_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! missing=$("$PY" -c "import hyperloom.config" 2>&1); then
+  echo "hyperloom does not import with $PY: ${missing##*$'\n'}" | tee "$OUT/device.txt"
+  echo "put the missing packages' wheels in .whl/ (see this script's header) and run again"
+  exit 2
+fi
 "$PY" - <<'EOF' 2>&1 | tee "$OUT/device.txt"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())

@@ -12,6 +12,15 @@ Two paths with the same numerics:
   a scalar loop: 57 ms against 36 ms for this path at 2048 x 512 x 1536 on this project's
   CPU, so CPU always emulates.
 
+- cuBLAS's block-scaled FP8 GEMM (`torch.nn.functional.scaled_mm`, Hopper with CUDA >= 12.9)
+  for DeepSeek-V3's blocks on a GPU: 1 x 128 tiles against 128 x 128 blocks (forward and
+  data gradient) or against 1 x 128 tiles (weight gradient). It wants K in whole 128-blocks and
+  its scales "outer-dim-major"; the 128 x 128 operand's scale rows padded to a multiple of
+  four blocks. Those layouts follow PyTorch's own OpInfo samples and were not run on a GPU
+  here, so the first call of each pairing is checked against the emulation (relative error
+  <= BLOCKWISE_CHECK_TOL); a mismatch or an error turns the path off with one warning and
+  the emulation answers instead.
+
 For scales that change along K (blockwise 128, MX 32) the emulation is DeepSeek-V3's
 promotion taken to its limit. DeepSeek-V3 (arXiv 2412.19437 §3.3.2) sums each 128-wide K
 chunk's FP8 products on the tensor cores, multiplies the partial sum by the chunk's two
@@ -31,8 +40,10 @@ scale product per chunk (benchmarks/README.md, `fp8_gemm.py`: blockwise 54 -> 12
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
+import torch.nn.functional as F
 
 from hyperloom.engine.fp8.formats import fp8_to_float
 from hyperloom.engine.fp8.quantize import Fp8Tensor
@@ -59,6 +70,10 @@ def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32)
         raise ValueError(f"fp8_gemm: contraction dims differ, a is {(m, k)} and b is {(n, k2)}")
     ka, kb = _k_block(a), _k_block(b)
     on_cpu = a.data.device.type == "cpu"
+    if not on_cpu and (ka != k or kb != k):
+        out = _blockwise_scaled_mm(a, b, out_dtype)
+        if out is not None:
+            return out
     if out_dtype == torch.bfloat16 and a.pow2 and b.pow2 and (on_cpu or ka != k or kb != k):
         # Exact operands in BF16: E4M3/E5M2 values carry 3/2 mantissa bits, BF16 7, and a
         # power-of-two scale only moves the exponent (BF16 has FP32's range). The BF16 GEMM
@@ -95,6 +110,79 @@ def _rowwise_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.T
             log.info("torch._scaled_mm unavailable for %s (%s); emulating", key, exc)
     deq_b = fp8_to_float(b.data) * sb.t()  # (N, K) x (N, 1), or x a 0-dim scale
     return ((fp8_to_float(a.data) * sa) @ deq_b.t()).to(out_dtype)
+
+
+BLOCKWISE_CHECK_TOL = 2e-2  # relative L2, cuBLAS's blockwise GEMM vs the emulation, first call
+_BLOCKWISE_CHECKED: set[tuple] = set()  # pairings whose first call matched the emulation
+
+
+def _block_scaling(q: Fp8Tensor):
+    """`F.ScalingType` of an operand cuBLAS can take blockwise, else None: 1 x 128 tiles, or
+    128 x 128 blocks over whole blocks, with K a multiple of 128."""
+    rows, k = q.shape
+    if k % 128:
+        return None
+    if q.block == (1, 128):
+        return F.ScalingType.BlockWise1x128
+    if q.block == (128, 128) and rows % 128 == 0:
+        return F.ScalingType.BlockWise128x128
+    return None
+
+
+def blockwise_scales(q: Fp8Tensor, scaling) -> torch.Tensor:
+    """The scales of `q` in the layout `F.scaled_mm` wants for `scaling`: outer-dim-major
+    (column-major), (rows, K / 128) for 1 x 128 tiles and (K / 128 padded to a multiple of 4,
+    rows / 128) for 128 x 128 blocks."""
+    s = q.scale_inv.float()  # (rows / block rows, K / 128)
+    if scaling == F.ScalingType.BlockWise128x128:
+        pad = 4 * math.ceil(s.shape[1] / 4) - s.shape[1]
+        s = F.pad(s, (0, pad), value=1.0)  # (rows / 128, L4)
+        return s.contiguous().t()  # (L4, rows / 128), column-major
+    return s.t().contiguous().t()  # (rows, K / 128), column-major
+
+
+def _blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype):
+    """a @ bᵀ through cuBLAS's blockwise FP8 GEMM, or None where it does not apply, failed
+    before, or failed its first-call check (see the module docstring)."""
+    if not hasattr(F, "scaled_mm"):  # torch before the v2 scaled GEMM
+        return None
+    ra, rb = _block_scaling(a), _block_scaling(b)
+    if ra is None or rb is None:
+        return None
+    if ra == rb == F.ScalingType.BlockWise128x128:
+        return None  # not a pairing cuBLAS offers
+    key = ("blockwise", a.data.device.type, a.data.dtype, b.data.dtype, out_dtype, ra, rb)
+    if key in _SCALED_MM_FAILED:
+        return None
+    try:
+        out = F.scaled_mm(
+            a.data.contiguous(),
+            b.data.contiguous().t(),  # column-major (K, N)
+            blockwise_scales(a, ra),
+            ra,
+            blockwise_scales(b, rb),
+            rb,
+            output_dtype=out_dtype,
+        )
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        _SCALED_MM_FAILED.add(key)
+        log.info("blockwise F.scaled_mm unavailable for %s (%s); emulating", key, exc)
+        return None
+    if key not in _BLOCKWISE_CHECKED:
+        ref = a.dequantize() @ b.dequantize().t()
+        err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not err <= BLOCKWISE_CHECK_TOL:
+            _SCALED_MM_FAILED.add(key)
+            log.warning(
+                "blockwise F.scaled_mm for %s is %.3g from the emulation on its first call "
+                "(tolerance %g); emulating from now on",
+                key,
+                err,
+                BLOCKWISE_CHECK_TOL,
+            )
+            return ref.to(out_dtype)
+        _BLOCKWISE_CHECKED.add(key)
+    return out
 
 
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:

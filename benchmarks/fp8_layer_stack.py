@@ -10,11 +10,12 @@ Llama blocks from the `llama3-8b` preset (dim 4096, ffn 14336, 32 heads / 8 KV h
 contenders are the same model with every block linear swapped for `Fp8Linear`
 (`engine.fp8.convert_to_fp8`, the path `precision.fp8` takes).
 
-Per contender: median step time after warm-up (compile and delayed scaling's history fill
-happen there), tokens/s, speedup over BF16, peak memory (CUDA's allocator; on CPU the
-process's peak RSS since the contender started), and how far what its first forward adds to
-the residual stream is from BF16's (relative L2): a check that the FP8 stack computes the same
-function, not a speed number.
+Every contender trains its own copy of one initialised stack, so all start from the same
+weights. Per contender: median step time after warm-up (compile and delayed scaling's history
+fill happen there), tokens/s, speedup over BF16, peak memory (CUDA's allocator, the untrained
+stack it copies included; on CPU the process's peak RSS since the contender started), and how
+far what its first forward adds to the residual stream is from BF16's (relative L2): a check
+that the FP8 stack computes the same function, not a speed number.
 
 On a CPU every FP8 GEMM is emulated (`engine.fp8.gemm`), so the CPU table says what the
 emulation costs, not what FP8 hardware gives; `--layers 1 --tokens 256` keeps it to minutes.
@@ -26,6 +27,7 @@ emulation costs, not what FP8 hardware gives; `--layers 1 --tokens 256` keeps it
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import time
@@ -46,17 +48,25 @@ RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 TARGET = 1.25  # the issue's end-to-end target on a GPU
 
 
-def build_stack(args: argparse.Namespace, recipe: str, device: torch.device) -> torch.nn.Module:
-    """`--layers` blocks of the preset, hidden states in and out, FP8 linears for `recipe`
-    ("bf16": none). The same seed gives every contender the same weights."""
+def build_template(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """`--layers` blocks of the preset, hidden states in and out, initialised once from the
+    seed: at 4 x 8B blocks drawing the weights takes far longer than a step, so every
+    contender trains a copy of this one."""
     cfg = dataclasses.replace(
         preset_config(args.preset), n_layers=args.layers, max_seq_len=args.seq_len
     )
     model = build_model(cfg)  # meta device
     model.tok_embeddings = model.norm = model.output = None  # a stage of blocks only
+    return model.materialize(device, seed=args.seed)
+
+
+def contender(template: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """A copy of the stack with FP8 linears for `recipe` ("bf16": none), as
+    `precision.fp8` converts a model (the same parameters, fresh scaling state)."""
+    model = copy.deepcopy(template)
     if recipe != "bf16":
         convert_to_fp8(model, recipe_from_name(recipe))
-    return model.materialize(device, seed=args.seed)  # FP8 state reset there too
+    return model
 
 
 def make_step(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, acc: Accelerator):
@@ -75,13 +85,15 @@ def make_step(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, acc: Ac
     return step
 
 
-def measure(args: argparse.Namespace, recipe: str, acc: Accelerator) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, recipe: str, template: torch.nn.Module, acc: Accelerator
+) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed + 1)
     dim = preset_config(args.preset).dim
     batch = args.tokens // args.seq_len
     x = torch.randn(batch, args.seq_len, dim, generator=gen).to(acc.device)
     dy = (torch.randn(batch, args.seq_len, dim, generator=gen) / args.tokens).to(acc.device)
-    model = build_stack(args, recipe, acc.device)
+    model = contender(template, recipe)
     step = make_step(model, x, dy, acc)
     acc.reset_peak_memory()
     first = step()
@@ -179,9 +191,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(title, flush=True)
     start = time.perf_counter()
+    template = build_template(args, acc.device)
     rows = []
     for name in contenders:
-        rows.append(measure(args, name, acc))
+        rows.append(measure(args, name, template, acc))
         print(f"  {name:<10} {rows[-1]['step_ms_median']:10.1f} ms/step", flush=True)
     summarize(rows)
     print_table(rows, title)

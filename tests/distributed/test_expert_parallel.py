@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 TOL = 1e-5  # fp32; the experts see the same rows in a different order and grouping
+LATER_STEPS_TOL = 5e-4  # steps 3-5 of the layouts against one process (assert_same_training)
+# The weights after five Adam steps: its normalised update m / sqrt(v) turns the ~1e-7
+# summation-order differences of tiny gradients (embedding rows of rare tokens) into whole
+# update-sized ones; measured 2.7e-5 relative for tok_embeddings on an Intel Xeon.
+WEIGHTS_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +65,15 @@ def assert_same_training(one: list[dict], other: list[dict]) -> None:
     """Per-step loss and gradient norm of a layout against one process.
 
     Tolerance: 1e-5 for the first two steps, where a missing loss term or a wrong bias update
-    shows (each gave >= 1.4e-4 while being fixed), then 2e-4: a layout changes the float
-    summation order (micro-batch accumulation, tensor-parallel partial sums), and the routers'
-    top-k and Adam's normalised updates amplify that to a measured 2e-5 - 6e-5 by steps 3-5.
+    shows (each gave >= 1.4e-4 while being fixed), then LATER_STEPS_TOL: a layout changes the
+    float summation order (micro-batch accumulation, tensor-parallel partial sums), and the
+    routers' top-k and Adam's normalised updates amplify that by steps 3-5 to a measured
+    2e-5 - 6e-5 on an AMD EPYC and up to 2.1e-4 on an Intel Xeon (pp2 x dp2 x ep2 DualPipe's
+    step-4 gradient norm), whose GEMMs sum in a different order.
     """
     assert [r["step"] for r in one] == [r["step"] for r in other]
     for a, b in zip(one, other, strict=True):
-        tol = TOL if a["step"] <= 2 else 2e-4
+        tol = TOL if a["step"] <= 2 else LATER_STEPS_TOL
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= tol * abs(a[key]), (a["step"], key, a[key], b[key])
 
@@ -106,7 +113,7 @@ def test_moe_tiny_trains_with_ep2_like_one_process(tiny_job_args, tmp_path):
     for name, a in weights[0].items():
         b = weights[1][name]
         assert a.shape == b.shape, name
-        assert (a - b).norm() <= TOL * a.norm().clamp(min=1e-12), name
+        assert (a - b).norm() <= WEIGHTS_TOL * a.norm().clamp(min=1e-12), name
 
 
 @pytest.mark.parametrize(

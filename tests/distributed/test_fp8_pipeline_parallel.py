@@ -11,7 +11,11 @@ scaling's gathered amax histories must match the single process's to 1e-5 (measu
 and a fresh pipeline given the saved weights and the gathered FP8 state takes the next step
 bit for bit like the pipeline that went on (checkpoint resume under pp).
 
-DualPipe (current, blockwise) also equals one process (measured <= 7.4e-8). Under delayed
+DualPipe (current, blockwise) also equals one process over three steps (measured <= 7.4e-8).
+Its two copies' weight gradients are summed in another order than one process sums them, so
+the weights drift ~1e-7 apart and, from step 4 on, some FP8 value rounds the other way: on an
+Intel Xeon steps 4-5 measured 2e-5 - 3.5e-4 (on the AMD EPYC these bounds were first measured
+on, <= 7.4e-8 throughout). Steps 4-5 of DualPipe are held to DUALPIPE_LOSS. Under delayed
 scaling each of a chunk's two copies (on the two ranks) quantizes half of the step's
 micro-batches; after the schedule they reduce their histories (max) and scales (min)
 (`PipelineModel.sync_fp8_copies`). So every copy must hold the same state after training, and
@@ -31,6 +35,16 @@ WORKER = Path(__file__).with_name("fp8_pp_worker.py")
 CASES = [f"{r}:{s}" for r in ("current", "delayed", "blockwise") for s in ("1f1b", "zb-h1")]
 CASES += ["current:dualpipe", "blockwise:dualpipe", "delayed:dualpipe"]
 DUALPIPE_DELAYED_LOSS = 1e-3
+DUALPIPE_LOSS = 1e-3  # current and blockwise, steps 4-5 (module docstring)
+
+
+def loss_limits(dualpipe: bool, delayed: bool) -> list[float]:
+    """The largest relative loss difference from one process allowed at each of the 5 steps."""
+    if dualpipe and delayed:
+        return [DUALPIPE_DELAYED_LOSS] * 5
+    if dualpipe:
+        return [1e-5] * 3 + [DUALPIPE_LOSS] * 2
+    return [1e-5] * 5
 
 
 def test_fp8_pp2_equals_one_process(tmp_path):
@@ -48,9 +62,10 @@ def test_fp8_pp2_equals_one_process(tmp_path):
         dualpipe = r["case"].endswith("dualpipe")
         delayed = r["case"].startswith("delayed")
         copies = 2 if dualpipe else 1  # DualPipe holds every chunk on both ranks
+        limits = loss_limits(dualpipe, delayed)
         if (
             len(r["loss"]) != 5
-            or max(r["loss"]) > (DUALPIPE_DELAYED_LOSS if dualpipe and delayed else 1e-5)
+            or any(v > lim for v, lim in zip(r["loss"], limits, strict=True))
             # rank 0's 2 layers x 7 FP8 linears x 4 micro-batches x 5 steps, all at W
             # (DualPipe splits the backward of only some of its micro-batches)
             or (not dualpipe and r["fp8_wgrad_deferred"] != (2 * 7 * 4 * 5 if split else 0))

@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hyperloom.config import PrecisionConfig
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPES = ("bf16", "blockwise", "current", "delayed", "rowwise", "mxfp8")
 JUDGED = ("blockwise", "current")
@@ -66,16 +68,21 @@ JUDGED = ("blockwise", "current")
 # GEMMs, in FP8 (`precision.fp8_high_precision`): which side of the step a gap comes from.
 # blockwise-ends: blockwise with the first and the last block in BF16 (Megatron's
 # --first-last-layers-bf16 at its default of one each; `precision.fp8_bf16_*_layers`).
-CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd", "blockwise-ends")
+# blockwise-qk: blockwise with the attention query and key projections in BF16 (added to
+# `precision.fp8_keep`), the linears whose FP8 gradient error is largest
+# (`fp8_gradient_fidelity.py`).
+CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd", "blockwise-ends",
+            "blockwise-qk")  # fmt: skip
 SPLIT_CONTROLS = {"blockwise-fwd": ["dgrad", "wgrad"], "blockwise-bwd": ["fprop"]}
 END_CONTROLS = {"blockwise-ends": 1}
+KEEP_CONTROLS = {"blockwise-qk": ["*.wq", "*.wk"]}
 BF16_REPEATS = ("bf16-refops",)
 BENCH_FILE = "bench.json"  # what this benchmark asked of the run, and the wall time it took
 
 
 def fp8_of(recipe: str) -> str:
     """`precision.fp8` of a contender: the recipe itself, its split controls' recipe, or none."""
-    if recipe in SPLIT_CONTROLS or recipe in END_CONTROLS:
+    if recipe in SPLIT_CONTROLS or recipe in END_CONTROLS or recipe in KEEP_CONTROLS:
         return recipe.split("-")[0]
     return recipe if recipe in RECIPES[1:] else "none"
 
@@ -107,6 +114,9 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
     if recipe in END_CONTROLS:
         n = str(END_CONTROLS[recipe])
         cmd += ["--precision.fp8_bf16_first_layers", n, "--precision.fp8_bf16_last_layers", n]
+    if recipe in KEEP_CONTROLS:
+        keep = [*PrecisionConfig().fp8_keep, *KEEP_CONTROLS[recipe]]
+        cmd += ["--precision.fp8_keep", json.dumps(keep)]
     if args.micro_batch:
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:

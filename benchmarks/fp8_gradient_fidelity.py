@@ -13,7 +13,10 @@ Per contender it reports the relative L2 error of the whole gradient against FP3
 group (attention q/k, v/o, feed-forward) and per layer; BF16 (the baseline's own rounding) and
 BF16 with the reference operators (the same arithmetic rounded at other points) give the scale.
 It also evaluates the checkpoint with each recipe's forward: what quantizing the forward does to
-the validation loss itself, with the weights fixed.
+the validation loss itself, with the weights fixed; and, on the first validation batch, what it
+does to attention: the logits' scale per layer in FP32 (a model whose logits have grown large
+attends almost one-hot, and a few percent of rounding in q and k then moves which key wins) and
+each forward's logit error, softmax distance and changed most-attended keys against FP32's.
 
     python benchmarks/fp8_gradient_fidelity.py                       # trains a 300-step BF16 checkpoint first
     python benchmarks/fp8_gradient_fidelity.py --checkpoint runs/x/checkpoints/step_00000750
@@ -38,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hyperloom.config import load_config
+from hyperloom.engine import ops
 from hyperloom.engine.fp8 import fp8_autocast, recipe_from_name
 from hyperloom.train.checkpoint import checkpoint_step, latest_checkpoint
 from hyperloom.train.trainer import Trainer
@@ -163,6 +167,70 @@ def sampling_noise(ref: list[dict]) -> float:
     return ((r - mean).norm(dim=1).mean() / mean.norm()).item()
 
 
+def attention_logits(trainer: Trainer, recipe=None) -> list[torch.Tensor]:
+    """Per layer, the attention logits q kᵀ / sqrt(d) (b, heads, s, s; FP32, masked entries
+    -inf) of the first validation batch, with q and k from the layer's own projections in this
+    trainer's precision (FP8 GEMMs under `recipe`). Llama attention only (wq, wk, head_dim)."""
+    model, out, hooks = trainer.model, [], []
+
+    def grab(mod, args, _output):
+        x, cos, sin = args[:3]
+        q = mod.wq(x).unflatten(-1, (-1, mod.head_dim))
+        k = mod.wk(x).unflatten(-1, (-1, mod.head_dim))
+        seq = q.shape[1]
+        q = ops.rope(q, cos[:seq], sin[:seq], mod.ops.rope).float().transpose(1, 2)
+        k = ops.rope(k, cos[:seq], sin[:seq], mod.ops.rope).float().transpose(1, 2)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = q @ k.transpose(-1, -2) / mod.head_dim**0.5
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=s.device).tril()
+        out.append(s.masked_fill(~causal, float("-inf")).cpu())
+
+    for mod in model.modules():
+        if all(hasattr(mod, a) for a in ("wq", "wk", "head_dim")):
+            hooks.append(mod.register_forward_hook(grab))
+    if not hooks:
+        return []
+    inputs, _ = trainer.val[0]
+    model.eval()
+    try:
+        with (
+            torch.no_grad(),
+            fp8_autocast(recipe) if recipe is not None else contextlib.nullcontext(),
+        ):
+            with trainer.acc.autocast(trainer.dtype):
+                trainer.fwd(inputs.to(trainer.acc.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def logit_scale(ref: list[torch.Tensor]) -> list[dict[str, float]]:
+    """Per layer, the largest |logit| and the logits' standard deviation (causal entries)."""
+    rows = []
+    for s in ref:
+        v = s[torch.isfinite(s)]
+        rows.append({"amax": v.abs().max().item(), "std": v.std().item()})
+    return rows
+
+
+def attention_shift(logits: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, Any]:
+    """How far a precision's attention is from FP32's, per layer: the RMS logit error, the mean
+    total-variation distance between the softmax rows (0: same weights, 1: disjoint), and the
+    fraction of rows (query x head) whose most-attended key changes."""
+    layers = []
+    for s, r in zip(logits, ref, strict=True):
+        ok = torch.isfinite(r)
+        tv = 0.5 * (s.softmax(-1) - r.softmax(-1)).abs().sum(-1)
+        layers.append({
+            "logit_err_rms": (s[ok] - r[ok]).square().mean().sqrt().item(),
+            "attn_tv": tv.mean().item(),
+            "argmax_flips": (s.argmax(-1) != r.argmax(-1)).float().mean().item(),
+        })  # fmt: skip
+    mean = {k: sum(x[k] for x in layers) / len(layers) for k in layers[0]}
+    return {"mean": mean, "layers": layers}
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -240,6 +308,7 @@ def main() -> None:
     grads: dict[str, list[dict]] = {}
     losses: dict[str, float] = {}
     val: dict[str, float] = {}
+    logits: dict[str, list[torch.Tensor]] = {}
     for i, (name, overrides, recipe) in enumerate(contenders, 1):
         t0 = time.perf_counter()
         trainer = trainer_for(ckpt, overrides)
@@ -248,8 +317,9 @@ def main() -> None:
                 f"--batches {args.batches}: the job has {len(trainer.val)} validation batches"
             )
         grads[name], losses[name] = gradients(trainer, args.batches, recipe)
-        if recipe is None or name.endswith("all FP8"):  # the forward alone decides eval loss
+        if recipe is None or name.endswith("all FP8"):  # the forward alone decides these
             val[name.split(" ")[0]] = trainer.evaluate()
+            logits[name.split(" ")[0]] = attention_logits(trainer, recipe)
         print(
             f"[{i}/{len(contenders)}] {name:<20} loss {losses[name]:.5f}  ({time.perf_counter() - t0:.1f} s)",
             flush=True,
@@ -297,6 +367,31 @@ def main() -> None:
     for name, v in val.items():
         vt.add_row(name, f"{v:.5f}", f"{(v - base) / base * 100:+.3f}%")
     console.print(vt)
+    attention: dict[str, Any] = {}
+    if logits["fp32"]:
+        attention = {
+            "fp32_logits": logit_scale(logits["fp32"]),
+            "shift_vs_fp32": {
+                n: attention_shift(v, logits["fp32"]) for n, v in logits.items() if n != "fp32"
+            },
+        }
+        scale = ", ".join(
+            f"{i}: {r['amax']:.0f} / {r['std']:.1f}" for i, r in enumerate(attention["fp32_logits"])
+        )
+        at = Table(
+            title="Attention of the first validation batch, each forward against FP32's",
+            caption=f"FP32 logits q·k/sqrt(d), largest |logit| / std per layer: {scale}",
+        )
+        for col in ("forward", "logit err (RMS)", "attn TV", "argmax flips", "TV per layer"):
+            at.add_column(col, justify="left" if col == "forward" else "right")
+        for name, sh in attention["shift_vs_fp32"].items():
+            m = sh["mean"]
+            at.add_row(
+                name, f"{m['logit_err_rms']:.3f}", f"{m['attn_tv']:.4f}",
+                f"{m['argmax_flips'] * 100:.2f}%",
+                " ".join(f"{x['attn_tv']:.3f}" for x in sh["layers"]),
+            )  # fmt: skip
+        console.print(at)
 
     payload = {
         "benchmark": "fp8_gradient_fidelity",
@@ -308,6 +403,7 @@ def main() -> None:
         "sampling_noise": noise,
         "gradient_error_vs_fp32": results,
         "val_loss_by_forward": val,
+        "attention": attention,
         "wall_time_s": time.perf_counter() - t_start,
     }
     machine.write_results(args.json, payload)

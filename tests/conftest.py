@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -118,3 +119,15 @@ def train_records(run_dir: str | os.PathLike, *args: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def cli_train():
     return train_records
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest):
+    """The benchmark script a test module names in `BENCHMARK` (benchmarks/<name>.py), imported
+    with the benchmarks folder on sys.path for its sibling imports (`machine`), taken off after."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module(request.module.BENCHMARK)
+    finally:
+        sys.path.remove(folder)

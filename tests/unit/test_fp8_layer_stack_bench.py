@@ -5,23 +5,10 @@ arguments with a message."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fp8_layer_stack
-
-        yield fp8_layer_stack
-    finally:
-        sys.path.remove(str(BENCH))
+BENCHMARK = "fp8_layer_stack"  # the conftest `bench` fixture imports it
 
 
 def test_small_stack_runs_every_recipe(bench, tmp_path):

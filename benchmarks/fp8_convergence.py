@@ -82,7 +82,7 @@ BENCH_FILE = "bench.json"  # what this benchmark asked of the run, and the wall 
 
 def fp8_of(recipe: str) -> str:
     """`precision.fp8` of a contender: the recipe itself, its split controls' recipe, or none."""
-    if recipe in SPLIT_CONTROLS or recipe in END_CONTROLS or recipe in KEEP_CONTROLS:
+    if any(recipe in table for table in (SPLIT_CONTROLS, END_CONTROLS, KEEP_CONTROLS)):
         return recipe.split("-")[0]
     return recipe if recipe in RECIPES[1:] else "none"
 

@@ -117,6 +117,8 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
     if recipe in KEEP_CONTROLS:
         keep = [*PrecisionConfig().fp8_keep, *KEEP_CONTROLS[recipe]]
         cmd += ["--precision.fp8_keep", json.dumps(keep)]
+    if args.qk_norm:
+        cmd += ["--model.qk_norm", "true"]
     if args.micro_batch:
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:
@@ -127,7 +129,10 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What makes two runs of one recipe the same run (a finished one is reused only if equal)."""
     keys = ("steps", "seed", "eval_every", "eval_batches", "micro_batch", "seq_len", "on_anomaly")
-    return {k: getattr(args, k) for k in keys}
+    out = {k: getattr(args, k) for k in keys}
+    if args.qk_norm:  # only when set, so run dirs from before the flag existed stay reusable
+        out["qk_norm"] = True
+    return out
 
 
 def finished(run_dir: Path, args: argparse.Namespace) -> bool:
@@ -287,7 +292,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(
-        f"tiny Llama, {out['steps']} steps, {out['tokens_per_step']} tokens/step "
+        f"{out['model']} Llama, {out['steps']} steps, {out['tokens_per_step']} tokens/step "
         f"(micro-batch {out['micro_batch']} x seq {out['seq_len']}), seed {out['seed']}"
     )
     fig.tight_layout()
@@ -353,6 +358,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=0, help="data.seq_len (0 = the job's)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument(
+        "--qk-norm", action="store_true", help="every run with model.qk_norm (module docstring)"
+    )
+    ap.add_argument(
         "--on-anomaly",
         default="none",
         choices=["none", "skip"],
@@ -389,7 +397,7 @@ def main() -> None:
     micro_batch = args.micro_batch or job.train.micro_batch_size
     seq_len = args.seq_len or job.data.seq_len
     out: dict[str, Any] = {
-        "model": job.model.preset,
+        "model": job.model.preset + ("+qk_norm" if args.qk_norm else ""),
         "steps": args.steps,
         "seed": args.seed,
         "on_anomaly": args.on_anomaly,
@@ -449,7 +457,7 @@ def main() -> None:
     out["seconds_this_invocation"] = time.perf_counter() - start
 
     print(
-        f"tiny Llama, {args.steps} steps, micro-batch {micro_batch} x seq {seq_len} = "
+        f"{out['model']} Llama, {args.steps} steps, micro-batch {micro_batch} x seq {seq_len} = "
         f"{out['tokens_per_step']} tokens/step (default job: {out['default_tokens_per_step']})"
     )
     print(

@@ -177,6 +177,8 @@ def attention_logits(trainer: Trainer, recipe=None) -> list[torch.Tensor]:
         x, cos, sin = args[:3]
         q = mod.wq(x).unflatten(-1, (-1, mod.head_dim))
         k = mod.wk(x).unflatten(-1, (-1, mod.head_dim))
+        if getattr(mod, "q_norm", None) is not None:  # model.qk_norm
+            q, k = mod.q_norm(q), mod.k_norm(k)
         seq = q.shape[1]
         q = ops.rope(q, cos[:seq], sin[:seq], mod.ops.rope).float().transpose(1, 2)
         k = ops.rope(k, cos[:seq], sin[:seq], mod.ops.rope).float().transpose(1, 2)

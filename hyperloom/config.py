@@ -75,6 +75,9 @@ class ModelConfig:
     rope_original_max_seq: int = knob(8192, "context length the RoPE scaling extends from")
     max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
     tie_embeddings: bool = knob(False, "share the input embedding with the output head")
+    qk_norm: bool = knob(
+        False, "RMSNorm on each head's query and key before RoPE (OLMo 2 / Qwen3); llama only"
+    )
     init_std: float = knob(0.02, "std of the normal weight init (output projections scaled)")
     dropout: float = knob(
         0.0, "training dropout on attention weights and each block's residual branches (0 = off)"
@@ -952,6 +955,11 @@ def _moe_problems(cfg: JobConfig) -> list[str]:
         out.append(
             "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "
             "biases that balancing updates in place; not built yet, use zero 0 or 1"
+        )
+    if m.qk_norm:
+        out.append(
+            "model.qk_norm is built for model.family = 'llama'; MLA (family 'deepseek') "
+            "already normalises its query and key latents (q_norm, kv_norm)"
         )
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         if getattr(m, key) <= 0:

@@ -36,7 +36,7 @@ class ConvertError(ValueError):
 class HFAdapter:
     """One family's Hugging Face mapping."""
 
-    model_type: str  # config.json's "model_type"
+    model_types: tuple[str, ...]  # the config.json "model_type" values it reads
     to_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
     from_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
     hf_config: Callable[[Any], Any]
@@ -49,14 +49,14 @@ def _adapters() -> dict[str, HFAdapter]:
 
     return {
         "llama": HFAdapter(
-            "llama",
+            ("llama", "qwen3"),  # qwen3: a Llama with qk-norm (model.qk_norm)
             lambda state, cfg: ll.to_hf_state_dict(state),
             ll.from_hf_state_dict,
             ll.hf_config,
             ll.config_from_hf,
         ),
         "deepseek": HFAdapter(
-            "deepseek_v3",
+            ("deepseek_v3",),
             ds.to_hf_state_dict,
             ds.from_hf_state_dict,
             ds.hf_config,
@@ -121,7 +121,7 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
         raise ConvertError(f"{src} is not a Hugging Face model directory (no config.json)")
     hf_raw = json.loads(config_json.read_text())
     model_type = hf_raw.get("model_type")
-    adapters = {a.model_type: a for a in _adapters().values()}
+    adapters = {t: a for a in _adapters().values() for t in a.model_types}
     if model_type not in adapters:
         raise ConvertError(
             f"{config_json}: model_type {model_type!r} is not supported; "
@@ -130,7 +130,10 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     from transformers import AutoConfig
 
     adapter = adapters[model_type]
-    values = adapter.config_from_hf(AutoConfig.from_pretrained(str(src)))
+    try:
+        values = adapter.config_from_hf(AutoConfig.from_pretrained(str(src)))
+    except ValueError as exc:
+        raise ConvertError(f"{config_json}: {exc}") from None
     try:
         # The data section's default sequence must fit the imported model's positions.
         seq = min(DataConfig().seq_len, int(values["max_seq_len"]))

@@ -45,14 +45,14 @@ class ModelFamily:
 
 def _llama() -> ModelFamily:
     from hyperloom.models import llama
-    from hyperloom.models.llama.plan import TP_PLAN, pipeline_chunk
+    from hyperloom.models.llama.plan import pipeline_chunk, tp_plan
 
     return ModelFamily(
         "llama",
         llama.Llama,
         llama.param_count,
         llama.training_flops_per_token,
-        lambda cfg: TP_PLAN,
+        tp_plan,
         pipeline_chunk,
     )
 

@@ -18,7 +18,9 @@ attention, no dropout) the same bookkeeping gives, with SP,
 
     sb[8h + 4q + 4kv + 6f]/t + 4sb*heads/t (the flash log-sum-exp, fp32),
 
-which is 33.5sbh/t for Llama 3 70B. Under sequence parallelism Megatron stores the
+which is 33.5sbh/t for Llama 3 70B. With qk-norm (`model.qk_norm`) the per-head norms also
+keep their inputs and one fp32 1/rms per head row: 2sb(q + kv)/t + 4sb(heads + kv heads)/t.
+Under sequence parallelism Megatron stores the
 column-parallel linears' inputs sharded and all-gathers them again for the weight gradient;
 hyperloom's runtime stores the gathered input (`sharded_save=False`), which costs 2sbh per
 linear input instead of 2sbh/t.
@@ -60,6 +62,7 @@ class ModelSpec:
     dropout: bool = False
     flash_attention: bool = True
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head (llama only)
     family: str = "llama"
     # DeepSeek family (MoE, MLA, MTP); zero for dense models. See `build_layer` for the costs.
     n_dense_layers: int = 0
@@ -120,6 +123,7 @@ class ModelSpec:
             cfg.ffn_dim,
             cfg.vocab_size,
             tie_embeddings=cfg.tie_embeddings,
+            qk_norm=cfg.qk_norm,
             **extra,
         )
 
@@ -220,6 +224,7 @@ class ModelSpec:
         if self.mla:
             return self._layers_params() / self.n_layers
         n = self.layer_matmul_params() + (2 if self.norm == "rms" else 4) * self.dim
+        n += 2 * self.head_dim if self.qk_norm else 0
         if self.bias:
             n += self.q_dim + 2 * self.kv_dim + self.dim + (self.mlp_matrices - 1) * self.ffn_dim
             n += self.dim
@@ -384,10 +389,14 @@ def build_layer(
     ]
     if spec.dropout:
         saved += [Saved("attn_out_mask", x_sp, "layer"), Saved("mlp_out_mask", x_sp, "layer")]
+    if spec.qk_norm:  # the per-head norms' inputs and one fp32 1/rms per head row
+        rows = tokens * (a + spec.n_kv_heads) / t
+        saved.append(Saved("qk_norm_in", 2 * tokens * (q + kv) / t + 4 * rows, "layer"))
     act = (6.0 if spec.gated_mlp else 4.0) * tokens * f / t
     elementwise = (
         2 * 4.0 * x_sp  # two norms: read + write
         + 4.0 * tokens * (q + kv) / t  # RoPE on q and k
+        + (4.0 * tokens * (q + kv) / t if spec.qk_norm else 0.0)  # qk-norms: read + write
         + 2 * 6.0 * x_sp  # two residual adds
         + act
         + (2 * 5.0 * x_sp if spec.dropout else 0.0)

@@ -26,7 +26,10 @@ DEEPSEEK = dict(
 
 
 def _checkpoint(run_dir, model_cfg):
-    model = init_model(model_cfg, "cpu", seed=5)
+    return _checkpoint_of(run_dir, init_model(model_cfg, "cpu", seed=5), model_cfg)
+
+
+def _checkpoint_of(run_dir, model, model_cfg):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     job = JobConfig()
     job = dataclasses.replace(job, model=model_cfg, data=dataclasses.replace(job.data, seq_len=32))
@@ -40,9 +43,10 @@ def _checkpoint(run_dir, model_cfg):
         ("tiny", LLAMA),
         ("tiny", {**LLAMA, "tie_embeddings": True}),
         ("tiny", {**LLAMA, "rope_scaling": 8.0, "rope_original_max_seq": 16}),
+        ("tiny", {**LLAMA, "qk_norm": True}),
         ("moe-tiny", DEEPSEEK),
     ],
-    ids=["llama", "llama-tied", "llama-rope-scaled", "deepseek"],
+    ids=["llama", "llama-tied", "llama-rope-scaled", "llama-qk-norm", "deepseek"],
 )
 def test_export_then_import_is_exact(tmp_path, base, values):
     cfg = dataclasses.replace(preset_config(base), **values)
@@ -58,13 +62,22 @@ def test_export_then_import_is_exact(tmp_path, base, values):
     assert imported is not None
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_exported_llama_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+@pytest.mark.parametrize(
+    "tied,qk_norm", [(False, False), (True, False), (False, True)], ids=["", "tied", "qk-norm"]
+)
+def test_exported_llama_loads_in_transformers_with_the_same_logits(tmp_path, tied, qk_norm):
     from transformers import AutoModelForCausalLM
 
-    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA, tie_embeddings=tied)
+    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA, tie_embeddings=tied, qk_norm=qk_norm)
     model, _ = _checkpoint(tmp_path / "run", cfg)
+    if qk_norm:  # norm weights away from one, so a dropped or misplaced norm shows
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers.values()):
+                layer.attention.q_norm.weight.copy_(torch.linspace(0.5, 2.0 + i, 16))
+                layer.attention.k_norm.weight.copy_(torch.linspace(1.5 + i, 0.25, 16))
+        _checkpoint_of(tmp_path / "run", model, cfg)
     hf = AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "run", tmp_path / "hf")))
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
@@ -81,3 +94,23 @@ def test_import_names_what_is_wrong(tmp_path, cli):
     assert result.returncode == 2
     assert "not supported" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("head_dim", 32, "head_dim 32 is not hidden_size / num_attention_heads"),
+        ("attention_bias", True, "no bias"),
+        ("use_sliding_window", True, "whole context"),
+    ],
+)
+def test_import_refuses_a_qwen3_this_model_cannot_be(tmp_path, field, value, message):
+    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA, qk_norm=True)
+    _checkpoint(tmp_path / "run", cfg)
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "qwen3" and raw["head_dim"] == 16
+    (out / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(ConvertError, match=message):
+        import_hf(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()

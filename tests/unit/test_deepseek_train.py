@@ -139,6 +139,7 @@ def test_param_counts(name):
         (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
         (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp (2)"),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),
+        (["--model.qk_norm", "true"], "model.qk_norm is built for model.family = 'llama'"),
     ],
 )
 def test_bad_moe_configs_explain_themselves(overrides, message):

@@ -27,17 +27,24 @@ def _trainer(model, inputs):
     )
 
 
-def _tiny():
+def _tiny(qk_norm=False):
     cfg = replace(
         preset_config("tiny"), dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-        vocab_size=97, max_seq_len=64,
+        vocab_size=97, max_seq_len=64, qk_norm=qk_norm,
     )  # fmt: skip
     torch.manual_seed(0)
-    return init_model(cfg, "cpu", seed=0), torch.randint(0, 97, (2, 24))
+    model = init_model(cfg, "cpu", seed=0)
+    if qk_norm:  # norm weights away from one, so a probe that skips the norms shows
+        with torch.no_grad():
+            for layer in model.layers.values():
+                layer.attention.q_norm.weight.uniform_(0.5, 3.0)
+                layer.attention.k_norm.weight.uniform_(0.5, 3.0)
+    return model, torch.randint(0, 97, (2, 24))
 
 
-def test_logits_are_the_ones_the_model_attends_with(bench):
-    model, inputs = _tiny()
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
+def test_logits_are_the_ones_the_model_attends_with(bench, qk_norm):
+    model, inputs = _tiny(qk_norm)
     seen: dict[int, dict[str, torch.Tensor]] = {}
 
     def keep(i, what):

@@ -31,6 +31,7 @@ def analytic_params(c: ModelConfig) -> int:
     w1 = w3 = c.dim * c.ffn_dim
     w2 = c.ffn_dim * c.dim
     norms = 2 * c.dim  # attention_norm, ffn_norm
+    norms += 2 * head_dim if c.qk_norm else 0  # q_norm, k_norm: one head_dim weight each
     block = wq + wk + wv + wo + w1 + w2 + w3 + norms
     embedding = c.vocab_size * c.dim
     head = 0 if c.tie_embeddings else c.vocab_size * c.dim
@@ -58,8 +59,9 @@ def test_preset_names():
 
 @pytest.mark.parametrize("name", [n for n in preset_names() if preset_config(n).family == "llama"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_param_count_matches_meta_model_and_formula(name, tied):
-    cfg = dataclasses.replace(preset_config(name), tie_embeddings=tied)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
+def test_param_count_matches_meta_model_and_formula(name, tied, qk_norm):
+    cfg = dataclasses.replace(preset_config(name), tie_embeddings=tied, qk_norm=qk_norm)
     model = build_model(cfg)  # meta device: no storage even for 405B
     assert all(p.is_meta for p in model.parameters())
     assert numel(model) == param_count(cfg) == analytic_params(cfg)
@@ -318,10 +320,16 @@ def test_init_statistics():
 # --------------------------------------------------------------------------- KV cache
 
 
-@pytest.fixture(scope="module")
-def random_model():
-    cfg = dataclasses.replace(SMALL, max_seq_len=64, init_std=0.1)
-    return init_model(cfg, "cpu", seed=0).eval()
+@pytest.fixture(scope="module", params=[False, True], ids=["", "qk-norm"])
+def random_model(request):
+    cfg = dataclasses.replace(SMALL, max_seq_len=64, init_std=0.1, qk_norm=request.param)
+    model = init_model(cfg, "cpu", seed=0).eval()
+    if request.param:  # norm weights away from one: the cached keys must be the normed ones
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 3.0, generator=torch.Generator().manual_seed(len(name)))
+    return model
 
 
 def test_kv_cache_prefill_decode_and_chunk_match_full_forward(random_model):

@@ -116,8 +116,9 @@ def test_recompute_policies_parse():
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3-405b", "tiny"])
-def test_flops_and_params_agree_with_model_accounting(name):
-    cfg = preset_config(name)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
+def test_flops_and_params_agree_with_model_accounting(name, qk_norm):
+    cfg = dataclasses.replace(preset_config(name), qk_norm=qk_norm)
     spec = ModelSpec.from_model_config(cfg)
     assert spec.params() == accounting.param_count(cfg)
     assert spec.model_flops_per_token(4096) == accounting.training_flops_per_token(cfg, 4096)

@@ -141,19 +141,22 @@ def test_runtime_memory_is_a_line_through_two_fresh_training_processes():
         assert line == pytest.approx(surplus, rel=1e-6) or got["fixed_bytes"] == 0
 
 
-def test_saved_tensors_per_layer_are_the_runtimes():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
+def test_saved_tensors_per_layer_are_the_runtimes(qk_norm):
     """`autocast_per_op`: a layer's saved bytes equal what our Llama's autograd keeps under
     BF16 autocast (unique storages seen by `saved_tensors_hooks`, minus the weights' BF16
     casts, which the memory model counts as buffers): the FP32 norm inputs and one BF16 cast
-    of the norm output per q/k/v and w1/w3 linear."""
+    of the norm output per q/k/v and w1/w3 linear; with qk-norm also the per-head norms'
+    BF16 inputs and their FP32 1/rms per head row."""
     from hyperloom.config import ModelConfig
     from hyperloom.models.registry import init_model
     from hyperloom.planner.memory import saved_bytes
     from hyperloom.planner.model import build_layer
 
     cfg = ModelConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
-    )
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64,
+        qk_norm=qk_norm,
+    )  # fmt: skip
     model = init_model(cfg, "cpu", seed=0)
     mbs, seq = 2, 48  # 96 tokens: no activation shares a weight's shape
     tokens = torch.randint(0, cfg.vocab_size, (mbs, seq + 1))

@@ -17,7 +17,7 @@ def param_count(cfg: ModelConfig) -> int:
     head_dim = cfg.dim // cfg.n_heads
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo, wk, wv
     ffn = 3 * cfg.dim * cfg.ffn_dim  # w1, w2, w3
-    norms = 2 * cfg.dim
+    norms = 2 * cfg.dim + (2 * head_dim if cfg.qk_norm else 0)  # block norms, q/k norms
     embed = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     return cfg.n_layers * (attn + ffn + norms) + cfg.dim + embed
 

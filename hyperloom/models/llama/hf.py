@@ -2,7 +2,11 @@
 
 hyperloom's RoPE uses the same half-split channel pairing as `LlamaForCausalLM`, so weights
 map one to one by name; no q/k permutation is needed (Meta's original checkpoints would need
-one). `transformers` is an optional dependency (`pip install hyperloom[hf]`) and is imported
+one). A model with `model.qk_norm` is exported as `Qwen3ForCausalLM` (a Llama with one RMSNorm
+over head_dim on each head's query and key before RoPE) and a Qwen3 directory is imported as a
+Llama with qk_norm; Qwen3 checkpoints whose head_dim is not hidden_size / num_attention_heads
+(Qwen3-0.6B's 128 against 1024 / 16), or that use biases or sliding windows, are refused: this
+model has none of those. `transformers` is an optional dependency (`pip install hyperloom[hf]`) and is imported
 only inside the functions that need it.
 """
 
@@ -27,6 +31,8 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # model.qk_norm, Qwen3's names
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -73,8 +79,9 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """A `transformers.LlamaConfig` describing the same architecture."""
-    from transformers import LlamaConfig
+    """A `transformers.LlamaConfig` describing the same architecture (`Qwen3Config` with
+    model.qk_norm)."""
+    from transformers import LlamaConfig, Qwen3Config
 
     rope: dict[str, Any] = {"rope_type": "default"}
     if cfg.rope_scaling > 1:
@@ -98,12 +105,17 @@ def hf_config(cfg: ModelConfig) -> Any:
         initializer_range=cfg.init_std,
         hidden_act="silu",
     )
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+    config_class = LlamaConfig
+    if cfg.qk_norm:
+        config_class = Qwen3Config
+        kwargs.update(head_dim=cfg.dim // cfg.n_heads, attention_bias=False)
+        kwargs.update(use_sliding_window=False)
+    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
         kwargs["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}  # transformers >= 5
     else:
         kwargs["rope_theta"] = cfg.rope_theta
         kwargs["rope_scaling"] = None if rope["rope_type"] == "default" else rope
-    return LlamaConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def hf_rope_and_common(hf: Any, scaled_type: str, original: int) -> tuple[dict, dict[str, Any]]:
@@ -127,11 +139,23 @@ def hf_rope_and_common(hf: Any, scaled_type: str, original: int) -> tuple[dict, 
 
 
 def config_from_hf(hf: Any) -> dict[str, Any]:
-    """Model-section values (family llama) from a `LlamaConfig`-like object."""
+    """Model-section values (family llama) from a `LlamaConfig`- or `Qwen3Config`-like object.
+    Raises ValueError, naming the field, for what this model cannot represent."""
     rope, common = hf_rope_and_common(hf, "llama3", 8192)
     heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is not None and head_dim * heads != hf.hidden_size:
+        raise ValueError(
+            f"head_dim {head_dim} is not hidden_size / num_attention_heads "
+            f"({hf.hidden_size} / {heads}); this model derives head_dim from them"
+        )
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ValueError("attention_bias / mlp_bias = true: this model's linears have no bias")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError("use_sliding_window = true: this model attends over the whole context")
     return {
         "family": "llama",
+        "qk_norm": getattr(hf, "model_type", "llama") == "qwen3",
         **common,
         "n_heads": heads,
         "n_kv_heads": getattr(hf, "num_key_value_heads", None) or heads,

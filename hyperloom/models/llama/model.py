@@ -3,6 +3,10 @@
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al., arXiv
 2302.13971; Llama 3, arXiv 2407.21783). Attention is grouped-query (Ainslie et al., arXiv
 2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling). With
+`model.qk_norm`, each head's query and key pass an RMSNorm over head_dim before RoPE (one
+weight shared by the query heads, one by the key heads; Qwen3's layout, Yang et al., arXiv
+2505.09388; OLMo 2, arXiv 2501.00656, normalises the whole projection instead): the attention
+logits stay bounded by the norm weights, not by how large wq and wk grow. With
 `model.dropout` = p > 0, training drops the attention weights and each branch's output before
 it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4); p = 0 (Llama's own
 setting) draws no random numbers at all. The
@@ -88,6 +92,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # qk-norm (model.qk_norm): one RMSNorm over head_dim for all query heads, one for all
+        # key heads, applied before RoPE as in Qwen3 (OLMo 2 normalises the whole projection).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout  # on the attention weights, in training
         self.ops = OpImpls()
 
@@ -102,6 +110,8 @@ class Attention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # (b, s, h, d)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv, d)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         seq = q.shape[1]  # the full sequence, also when x arrives sequence-parallel
         cos, sin = cos[:seq], sin[:seq]  # tables start at start_pos
         q, k = ops.rope(q, cos, sin, self.ops.rope), ops.rope(k, cos, sin, self.ops.rope)

@@ -9,6 +9,8 @@ TP_PLAN: dict[str, str] = {
     "layers.*.attention.wk": "colwise",  # kv heads split across ranks
     "layers.*.attention.wv": "colwise",
     "layers.*.attention.wo": "rowwise",
+    # model.qk_norm (added by tp_plan): the norms run on this rank's heads only, so their
+    # weights' gradients are partial sums over the group's heads.
     "layers.*.ffn_norm": "sp_norm",
     "layers.*.feed_forward": "tp_input",
     "layers.*.feed_forward.w1": "colwise",  # SwiGLU hidden width split across ranks
@@ -17,6 +19,14 @@ TP_PLAN: dict[str, str] = {
     "norm": "sp_norm",
     "output": "vocab_head",  # logits stay vocab-sharded into the vocab-parallel loss
 }
+
+
+def tp_plan(cfg) -> dict[str, str]:
+    """TP_PLAN, with the qk-norm weights when the model has them (`model.qk_norm`)."""
+    if not cfg.qk_norm:
+        return TP_PLAN
+    norms = {f"layers.*.attention.{n}": "tp_partial_grad" for n in ("q_norm", "k_norm")}
+    return {**TP_PLAN, **norms}
 
 
 def pipeline_chunk(model, layers: range, first: bool, last: bool):

@@ -6,8 +6,8 @@ one). A model with `model.qk_norm` is exported as `Qwen3ForCausalLM` (a Llama wi
 over head_dim on each head's query and key before RoPE) and a Qwen3 directory is imported as a
 Llama with qk_norm; Qwen3 checkpoints whose head_dim is not hidden_size / num_attention_heads
 (Qwen3-0.6B's 128 against 1024 / 16), or that use biases or sliding windows, are refused: this
-model has none of those. `transformers` is an optional dependency (`pip install hyperloom[hf]`) and is imported
-only inside the functions that need it.
+model has none of those. `transformers` is an optional dependency (`pip install hyperloom[hf]`)
+and is imported only inside the functions that need it.
 """
 
 from __future__ import annotations

@@ -6,16 +6,16 @@ Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et a
 `model.qk_norm`, each head's query and key pass an RMSNorm over head_dim before RoPE (one
 weight shared by the query heads, one by the key heads; Qwen3's layout, Yang et al., arXiv
 2505.09388; Megatron-LM's `--qk-layernorm`; OLMo 2, arXiv 2501.00656, normalises the whole
-projection instead): the attention logits stay bounded by the norm weights, not by how large
-wq and wk grow. With `model.dropout` = p > 0, training drops the attention weights and each
-branch's output before it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4);
-p = 0 (Llama's own setting) draws no random numbers at all. The memory-bound pieces -- RMSNorm fused with the residual add before it, SwiGLU, RoPE, attention
-and the output head with its cross-entropy -- are `hyperloom.engine.ops` calls whose
-implementation (`OpImpls`: reference, fused) the model holds in `self.ops` and `use_ops`
-sets. Given labels, `forward` returns the mean loss instead of logits, so the fused head never
-materialises the (tokens, vocab) logits. Parameter names follow Meta's reference code (`tok_embeddings`,
-`layers.N.attention.wq`, `feed_forward.w1`, ...); `hyperloom.models.llama.hf` maps them to
-Hugging Face names.
+projection instead): the attention logits stay bounded by the norm weights, not by how large wq
+and wk grow. With `model.dropout` = p > 0, training drops the attention weights and each
+branch's output before it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4); p
+= 0 (Llama's own setting) draws no random numbers at all. The memory-bound pieces -- RMSNorm
+fused with the residual add before it, SwiGLU, RoPE, attention and the output head with its
+cross-entropy -- are `hyperloom.engine.ops` calls whose implementation (`OpImpls`: reference,
+fused) the model holds in `self.ops` and `use_ops` sets. Given labels, `forward` returns the
+mean loss instead of logits, so the fused head never materialises the (tokens, vocab) logits.
+Parameter names follow Meta's reference code (`tok_embeddings`, `layers.N.attention.wq`,
+`feed_forward.w1`, ...); `hyperloom.models.llama.hf` maps them to Hugging Face names.
 
 The model is built on the meta device and materialised with `to_empty` + `init_weights(seed)`,
 so an 8B model costs nothing until it is placed, and the initial weights depend only on the

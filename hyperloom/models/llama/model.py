@@ -8,8 +8,8 @@ weight shared by the query heads, one by the key heads; Qwen3's layout, Yang et 
 2505.09388; Megatron-LM's `--qk-layernorm`; OLMo 2, arXiv 2501.00656, normalises the whole
 projection instead): the attention logits stay bounded by the norm weights, not by how large wq
 and wk grow. With `model.dropout` = p > 0, training drops the attention weights and each
-branch's output before it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4); p
-= 0 (Llama's own setting) draws no random numbers at all. The memory-bound pieces -- RMSNorm
+branch's output before it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4);
+p = 0 (Llama's own setting) draws no random numbers at all. The memory-bound pieces -- RMSNorm
 fused with the residual add before it, SwiGLU, RoPE, attention and the output head with its
 cross-entropy -- are `hyperloom.engine.ops` calls whose implementation (`OpImpls`: reference,
 fused) the model holds in `self.ops` and `use_ops` sets. Given labels, `forward` returns the

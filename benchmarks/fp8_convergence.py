@@ -20,6 +20,11 @@ BF16 (blockwise and MXFP8 most of all: their GEMMs are chunked along K), so on a
 `--micro-batch` / `--seq-len` can shrink the tokens per step; the model stays the default one.
 The JSON and the table say which batch was used.
 
+`--qk-norm` runs every contender with `model.qk_norm = true` (an RMSNorm on each query and
+key head before RoPE): the default model otherwise, and a separate run root, since it is another
+model. It keeps the attention logits from growing, the FP8 gap's source at this scale
+(`fp8_gradient_fidelity.py`); the JSON's `model` says `tiny+qk_norm`.
+
 The training guard (`resilience.on_anomaly`) is off by default here (`--on-anomaly none`):
 at a few hundred tokens per step the gradient norm passes its 6-sigma spike threshold every
 ~50-100 steps, and a skipped update is a difference between runs that has nothing to do with

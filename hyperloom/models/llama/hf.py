@@ -108,8 +108,9 @@ def hf_config(cfg: ModelConfig) -> Any:
     config_class = LlamaConfig
     if cfg.qk_norm:
         config_class = Qwen3Config
-        kwargs.update(head_dim=cfg.dim // cfg.n_heads, attention_bias=False)
-        kwargs.update(use_sliding_window=False)
+        kwargs.update(
+            head_dim=cfg.dim // cfg.n_heads, attention_bias=False, use_sliding_window=False
+        )
     if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
         kwargs["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}  # transformers >= 5
     else:

@@ -191,6 +191,19 @@ def test_delayed_keeps_scale_on_zero_or_nonfinite_amax():
     assert used == pytest.approx([1.0, 224.0, 224.0, 448 / 3, 448 / 3])
 
 
+def test_delayed_scale_overflowing_fp32_becomes_fp32_max():
+    # 448 / 1e-40 (a subnormal amax) is Inf in FP32; TE clamps it to FP32's max, so the next
+    # tensor's zeros stay zeros (0 x Inf would be NaN) and its small values stay finite.
+    hist, scale = torch.zeros(4, 1), torch.ones(1)
+    state = DelayedState(hist, scale, 0)
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    quantize_for(torch.tensor([[1e-40, 0.0]]), recipe, "input", state)
+    q = quantize_for(torch.tensor([[1e-40, 0.0]]), recipe, "input", state)
+    assert scale.item() == torch.finfo(torch.float32).max
+    d = q.dequantize()
+    assert torch.isfinite(d).all() and d[0, 1] == 0 and d[0, 0] > 0
+
+
 def test_recipe_arguments_are_checked():
     with pytest.raises(ValueError, match="amax_compute_algo"):
         DelayedScaling(amax_compute_algo="mean")

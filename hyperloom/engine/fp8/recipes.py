@@ -15,8 +15,8 @@ whenever the tensor grows faster than the history predicts; `margin` buys headro
 lowering the scale by powers of two. TE's bookkeeping is kept exactly: position 0 of the
 history receives the amax just observed; at the next update the scale is computed from the
 whole window, then the window is rotated (the oldest entry dropped) and position 0 zeroed.
-An amax that is 0 or non-finite leaves the previous scale in place (TE's
-`_default_sf_compute`). TE updates once per `fp8_autocast` exit; we update right before each
+An amax that is 0 or non-finite leaves the previous scale in place, and one so small that
+the scale overflows FP32 gives FP32's max (TE's `_default_sf_compute`). TE updates once per `fp8_autocast` exit; we update right before each
 quantization of that tensor, which is the same sequence when each module runs once per
 autocast region, and needs no global registry of modules.
 
@@ -82,6 +82,7 @@ import torch
 
 from hyperloom.engine.fp8.formats import check_format_choice, format_for
 from hyperloom.engine.fp8.quantize import (
+    FP32_MAX,
     Fp8Tensor,
     abs_max,
     quantize_blocks,
@@ -244,6 +245,9 @@ class DelayedState:
         h = self.history[:, self.column]  # (len,), a view
         amax = h.max() if recipe.amax_compute_algo == "max" else h[0]
         new = fmt_max / amax / (2.0**recipe.margin)
+        # An amax so small that fmt_max / amax overflows FP32 gets FP32's max (TE's third
+        # case): an Inf scale would turn the tensor's zeros into NaN (0 x Inf).
+        new = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
         keep = (amax <= 0) | ~torch.isfinite(amax)
         new = torch.where(keep, self.scale[self.column], new)
         if self.frozen:

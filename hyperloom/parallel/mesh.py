@@ -207,3 +207,26 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
         t.copy_(part.view_as(t))
+
+
+@torch.no_grad()
+def all_reduce_scaling_state(
+    histories: list[torch.Tensor], scales: list[torch.Tensor], group, recent: int | None = None
+) -> None:
+    """Make delayed-scaling state equal over `group` in place, with one collective: amax
+    histories by elementwise max, scales by min (TE reduces a tensor's amaxes over the ranks
+    that hold it, `fp8_group`). `recent`: only the newest rows of each (..., len, columns)
+    history (the quantizations since the last call), the older rows being equal already.
+    A no-op without a group. Scales ride in the same MAX all-reduce, negated."""
+    if group is None or not (histories or scales):
+        return
+    if recent is not None:
+        histories = [h.narrow(-2, 0, min(recent, h.shape[-2])) for h in histories]
+    parts = [h.reshape(-1) for h in histories] + [s.reshape(-1).neg() for s in scales]
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    pieces = flat.split([p.numel() for p in parts])
+    for h, part in zip(histories, pieces, strict=False):
+        h.copy_(part.view_as(h))
+    for s, part in zip(scales, pieces[len(histories) :], strict=True):
+        s.copy_(part.neg().view_as(s))

@@ -45,9 +45,10 @@ from torch import nn
 
 from hyperloom.accelerator import sum_of_squares
 from hyperloom.config import TrainConfig
+from hyperloom.engine.fp8.convert import fp8_modules
 from hyperloom.parallel import tensor_parallel as tpl
-from hyperloom.parallel.expert_parallel import ExpertParallelism
-from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
+from hyperloom.parallel.expert_parallel import ExpertParallelExperts, ExpertParallelism
+from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced, all_reduce_scaling_state
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.train.optim import build_optimizer
 
@@ -182,6 +183,29 @@ class ParallelModel:
         if self.zero == 0:
             return self.module.no_sync()
         return _fsdp_no_sync(self.inner)
+
+    def sync_fp8_replicas(self, recent: int | None = None) -> None:
+        """Delayed FP8 scaling under data parallelism: the ranks holding a replica of an FP8
+        layer quantized different micro-batches, so their amax histories differ in the rows
+        recorded since the last call (`recent`; None: compare whole histories). Reduce them
+        (elementwise max, scales min) over the replicas: dp for every layer, the
+        expert-data-parallel group for experts split over ep. Afterwards every replica holds
+        what one process quantizing all the replicas' micro-batches as one would record, so
+        the next scales equal that process's and the one copy a checkpoint keeps resumes
+        every rank. TE reduces amaxes over its `fp8_group` in the same way (Megatron's amax
+        reduction group spans dp and tp). Stateless recipes have nothing to reduce."""
+        dp_group = self.mesh.group("dp")
+        if dp_group is None:
+            return
+        plain, experts = ([], []), ([], [])
+        for _, m in fp8_modules(self.inner):
+            if m.fp8_amax_history is not None:
+                into = experts if isinstance(m, ExpertParallelExperts) else plain
+                into[0].append(m.fp8_amax_history)
+                into[1].append(m.fp8_scale)
+        all_reduce_scaling_state(*plain, dp_group, recent)
+        if experts[0]:
+            all_reduce_scaling_state(*experts, self.experts.data_group, recent)
 
     def make_optimizer(self, cfg: TrainConfig):
         """AdamW for this layout: the ZeRO-1 sharded one for zero = 1 with dp > 1."""

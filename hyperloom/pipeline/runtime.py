@@ -31,8 +31,11 @@ micro-batches, so delayed scaling under DualPipe is close to, not equal to, one 
 
 Data parallelism under pp is done here rather than by DDP: a split backward accumulates
 weight gradients outside autograd's hooks, so the dp all-reduce (zero 0) or ZeRO-1's
-reduce-scatter (zero 1) runs once after the schedule, without overlap. FSDP (zero 3) with
-pp is not built.
+reduce-scatter (zero 1) runs once after the schedule, without overlap. Delayed FP8 scaling's
+histories are reduced over dp then too (`sync_fp8_replicas`, whole histories: each replica
+recorded all of the step's micro-batches), so dp replicas scale from their own micro-batches
+within a step, like DualPipe's copies, and start every step equal. FSDP (zero 3) with pp is
+not built.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from hyperloom.engine.fp8.convert import (
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel import apply_fp8
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
-from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced
+from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced, all_reduce_scaling_state
 from hyperloom.parallel.parallelize import (
     ParallelModel,
     apply_tensor_parallel,
@@ -230,6 +233,7 @@ class PipelineModel(ParallelModel):
 
     def reduce_and_clip(self, optimizer, max_norm: float) -> torch.Tensor:
         self.sync_fp8_copies()
+        self.sync_fp8_replicas()  # over dp, after the step's micro-batches (docstring)
         self.finish_grads()  # sequence-parallel norm weights over tp
         self.sum_shared_grads()
         if isinstance(optimizer, ZeroOneAdamW):
@@ -274,31 +278,22 @@ class PipelineModel(ParallelModel):
         for chunk in self.inner.chunks.values():
             for key, buf in fp8_buffers(chunk).items():
                 local[key].append(buf)
-        ops = {
-            "fp8_amax_history": (torch.maximum, dist.ReduceOp.MAX),
-            "fp8_scale": (torch.minimum, dist.ReduceOp.MIN),
-        }
+        ops = {"fp8_amax_history": torch.maximum, "fp8_scale": torch.minimum}
         for key, bufs in local.items():
             if len(bufs) > 1:
-                merged = functools.reduce(ops[key.rsplit(".", 1)[1]][0], bufs)
+                merged = functools.reduce(ops[key.rsplit(".", 1)[1]], bufs)
                 for b in bufs:
                     b.copy_(merged)
         for ranks, keys in self.fp8_shared:
             group = self.mesh.subgroup("pp", ranks)
             if group is None:
                 continue
-            for leaf, (_, op) in ops.items():
-                mine = [k for k in keys if k.endswith("." + leaf)]
-                if not mine:
-                    continue
-                flat = torch.cat([local[k][0].reshape(-1) for k in mine])
-                dist.all_reduce(flat, op=op, group=group)
-                offset = 0
-                for k in mine:
-                    n = local[k][0].numel()
-                    for b in local[k]:
-                        b.copy_(flat[offset : offset + n].view_as(b))
-                    offset += n
+            histories = [local[k][0] for k in keys if k.endswith(".fp8_amax_history")]
+            scales = [local[k][0] for k in keys if k.endswith(".fp8_scale")]
+            all_reduce_scaling_state(histories, scales, group)
+            for k in keys:
+                for b in local[k][1:]:
+                    b.copy_(local[k][0])
 
     def _dp_mean_grads(self) -> None:
         """Average the gradients over dp (expert weights were reduced over their own

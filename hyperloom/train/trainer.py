@@ -242,6 +242,8 @@ class Trainer:
                     # fused head never materialises the logits (vocab-parallel under tp).
                     loss = self.fwd(inputs, labels=labels) / t.grad_accum
                 loss.backward()
+            # Delayed FP8 scaling: the dp replicas' amaxes of this micro-batch, reduced.
+            self.pm.sync_fp8_replicas(recent=1)
             total += loss.detach()
         self.guard.inject_grads(self.step + 1, total)  # fault drills only
         grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)

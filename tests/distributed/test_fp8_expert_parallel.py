@@ -69,8 +69,8 @@ def test_fp8_experts_dp2_ep2_equal_one_process(tmp_path):
 
 # The moe-tiny preset's shape (16 experts top-2 in 4 groups, a shared expert, MTP) with only
 # the routed experts in FP8 (delayed): the experts' histories are then the only FP8 state,
-# and at dp = ep = 2 each expert's lives on one rank. (A dense delayed layer under dp keeps
-# a history per rank and the checkpoint the first rank's, so it would resume differently.)
+# and at dp = ep = 2 each expert's lives on one rank. (Dense delayed layers under dp, whose
+# histories are reduced over the replicas: tests/distributed/test_fp8_data_parallel.py.)
 DENSE_KEEP = (
     "tok_embeddings,*embed*,output,lm_head,*router*,*.gate,*norm*,*attention*,w1,w2,w3,*mtp*"
 )

@@ -70,7 +70,13 @@ Every recipe here needs no communication between ranks except under tensor paral
 delayed and current scaling reduce a sharded tensor's amax over its shards, and rowwise
 reduces the row amaxes of an operand whose contraction dimension is sharded (the input and
 weight of a row-parallel linear in forward; the output gradient and transposed weight of a
-column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each.
+column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each. And delayed
+scaling under data parallelism: its histories are state, which each dp rank would fill with
+its own micro-batches' amaxes, so after each micro-batch the layout reduces them over dp
+(max; `ParallelModel.sync_fp8_replicas`, one all-reduce of every layer's newest row), as TE reduces
+amaxes over its `fp8_group` -- every rank then scales as one process whose micro-batch is
+all the ranks' together would. The stateless recipes scale a dp rank's tensors from what
+that rank holds, which is what one process accumulating the same micro-batches does.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def measure_elementwise(
     }
 
 
-def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 11) -> float:
+def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 31) -> float:
     """Host seconds per transformer layer per micro-batch, forward + backward, that no kernel
     accounts for: our Llama at a size where the arithmetic is negligible (dim 64, 16 tokens)
     with 1 and with 3 layers, the difference halved (embedding, head, loss and the backward's
@@ -184,7 +184,11 @@ def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 11) -> float:
     The two models' steps alternate and each keeps its fastest: host work only gets slower
     when something else takes the core, and a 2 ms difference drowned when the two were
     timed one after the other on a loaded machine (it came out 0 while two training runs
-    shared the CPU)."""
+    shared the CPU). On a CPU the steps run on one thread: the host path is one thread's work
+    anyway (these tensors are below PyTorch's parallel grain), and a second thread only adds
+    its barrier, which a busy neighbour stretches -- with the default two threads beside
+    three busy processes, four measurements gave 1.6-142 ms (and, in a test run under CI load,
+    0); on one thread with 31 rounds, 2.0-6.1 ms (quiet: 1.1-1.9 ms)."""
     from hyperloom.config import ModelConfig
     from hyperloom.models.registry import init_model
 
@@ -207,13 +211,19 @@ def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 11) -> float:
             step()
         steps.append(step)
     best = [float("inf")] * 2
-    for _ in range(runs):
-        for i, step in enumerate(steps):
-            acc.synchronize()
-            start = time.perf_counter()
-            step()
-            acc.synchronize()
-            best[i] = min(best[i], time.perf_counter() - start)
+    threads = torch.get_num_threads()
+    if acc.kind == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for _ in range(runs):
+            for i, step in enumerate(steps):
+                acc.synchronize()
+                start = time.perf_counter()
+                step()
+                acc.synchronize()
+                best[i] = min(best[i], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return max((best[1] - best[0]) / 2, 0.0)
 
 

@@ -16,9 +16,10 @@ lowering the scale by powers of two. TE's bookkeeping is kept exactly: position 
 history receives the amax just observed; at the next update the scale is computed from the
 whole window, then the window is rotated (the oldest entry dropped) and position 0 zeroed.
 An amax that is 0 or non-finite leaves the previous scale in place, and one so small that
-the scale overflows FP32 gives FP32's max (TE's `_default_sf_compute`). TE updates once per `fp8_autocast` exit; we update right before each
-quantization of that tensor, which is the same sequence when each module runs once per
-autocast region, and needs no global registry of modules.
+the scale overflows FP32 gives FP32's max (TE's `_default_sf_compute`). TE updates once per
+`fp8_autocast` exit; we update right before each quantization of that tensor, which is the
+same sequence when each module runs once per autocast region, and needs no global registry
+of modules.
 
 **Current scaling** (TE `Float8CurrentScaling`). One scale per tensor from this tensor's own
 amax: two reads (amax, then cast) but never stale, so no clipping. Both per-tensor recipes
@@ -73,10 +74,11 @@ weight of a row-parallel linear in forward; the output gradient and transposed w
 column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each. And delayed
 scaling under data parallelism: its histories are state, which each dp rank would fill with
 its own micro-batches' amaxes, so after each micro-batch the layout reduces them over dp
-(max; `ParallelModel.sync_fp8_replicas`, one all-reduce of every layer's newest row), as TE reduces
-amaxes over its `fp8_group` -- every rank then scales as one process whose micro-batch is
-all the ranks' together would. The stateless recipes scale a dp rank's tensors from what
-that rank holds, which is what one process accumulating the same micro-batches does.
+(max; `ParallelModel.sync_fp8_replicas`, one all-reduce of every layer's newest row), as TE
+reduces amaxes over its `fp8_group` -- every rank then scales as one process whose
+micro-batch is all the ranks' together would. The stateless recipes scale a dp rank's
+tensors from what that rank holds, which is what one process accumulating the same
+micro-batches does.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ recipe:
   are those of one process whose micro-batch is all the ranks' together. With the forward
   GEMM in FP8 (the backward ones in high precision, so the step-1 output gradient, quantized
   with TE's initial scale 1, does not see the factor of two in the subnormal range),
-  dp = 2 measured losses <= 8e-8 and gradient norms <= 3.3e-6 from one process over 5 steps;
-  without the reduction the gradient norms were 6.5e-4 off at step 2 and 7.7e-3 at step 5.
+  dp = 2 measured losses <= 8e-8 and gradient norms <= 3.3e-6 from one process over 5 steps
+  (by hand with ZeRO-1 and FSDP2; the test runs DDP); without the reduction the gradient
+  norms were 6.1-6.5e-4 off at step 2 and 7.7e-3 at step 5.
 - With every GEMM in FP8 the histories (output gradients included) are equal on every rank,
   so the one copy a checkpoint keeps resumes all of them: a run stopped at step 2 and
   resumed takes steps 3-4 bit for bit like the run that went on.

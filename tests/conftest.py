@@ -81,9 +81,15 @@ def tiny_job(run_dir: str | os.PathLike, **overrides: object) -> list[str]:
         "logging.log_every": 1,
     }
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return override_args(**values)
+
+
+def override_args(**overrides: object) -> list[str]:
+    """`--section.key value` for each `section__key=value` (or `section.key`; bools lowercase)."""
     out: list[str] = []
-    for key, value in values.items():
-        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    for key, value in overrides.items():
+        value = str(value).lower() if isinstance(value, bool) else str(value)
+        out += [f"--{key.replace('__', '.')}", value]
     return out
 
 
@@ -119,6 +125,34 @@ def train_records(run_dir: str | os.PathLike, *args: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def cli_train():
     return train_records
+
+
+def train_jobs(
+    out: str | os.PathLike,
+    nproc: int,
+    job: list[str],
+    cases: list[tuple[str, list[str]]],
+    timeout: float = 1200,
+) -> subprocess.CompletedProcess:
+    """Train every case of `job` in one launch of `tests/distributed/jobs_worker.py`: under
+    torchrun with `nproc` processes, or as one plain process for `nproc = 1` (as the CLI
+    runs `--nproc 1`). Case NAME trains into OUT/NAME (a run dir in `job` is dropped)."""
+    if "--logging.run_dir" in job:
+        i = job.index("--logging.run_dir")
+        job = job[:i] + job[i + 2 :]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "jobs.json"
+    spec.write_text(json.dumps({"out": str(out), "job": job, "cases": cases}))
+    worker = Path(__file__).parent / "distributed" / "jobs_worker.py"
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *(launcher if nproc > 1 else []), str(worker), str(spec)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def jobs_train():
+    return train_jobs
 
 
 @pytest.fixture(scope="module")

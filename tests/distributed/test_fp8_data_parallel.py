@@ -20,24 +20,58 @@ recipe:
 - With every GEMM in FP8 the histories (output gradients included) are equal on every rank,
   so the one copy a checkpoint keeps resumes all of them: a run stopped at step 2 and
   resumed takes steps 3-4 bit for bit like the run that went on.
+
+All dp runs share one torchrun launch and the one-process runs one plain process
+(`jobs_worker.py`): each `hyperloom train` launch costs seconds of interpreter and torch
+start-up, more than a case's 4 steps of the tiny model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from test_parallel_layouts import MODEL  # pytest puts this directory on sys.path
+from test_parallel_layouts import (
+    MODEL,
+    override_args,
+    read_metrics,
+)  # this directory is on sys.path
 
 from hyperloom.train import checkpoint as ckpt
 
 STEPS = 4
 DP2 = {"parallel__dp": 2, "train__micro_batch_size": 4}
+BLOCKWISE = {"precision__fp8": "blockwise"}
+# Delayed scaling with only the forward GEMMs in FP8 (module docstring).
+DELAYED_FWD = {"precision__fp8": "delayed", "precision__fp8_high_precision": "dgrad,wgrad"}
+DELAYED = {**DP2, "parallel__zero": 1, "precision__fp8": "delayed"}
 
 
-def _train(cli_train, tiny_job_args, run_dir: Path, nproc: int, **overrides) -> list[dict]:
-    job = tiny_job_args(run_dir, **{**MODEL, "train__steps": STEPS, **overrides})
-    return cli_train(run_dir, "--nproc", str(nproc), *job)
+@pytest.fixture(scope="module")
+def runs(tiny_job_args, jobs_train, tmp_path_factory) -> Path:
+    """Every run of this module: the dp = 2 runs in one torchrun launch, the one-process
+    references in one plain process. Run NAME lies in the returned folder's NAME."""
+    out = tmp_path_factory.mktemp("fp8_dp")
+    job = tiny_job_args(out / "unused", **{**MODEL, "train__steps": STEPS})
+    one = [
+        (
+            "blockwise_one",
+            override_args(train__micro_batch_size=4, train__grad_accum=2, **BLOCKWISE),
+        ),
+        ("delayed_fwd_one", override_args(train__micro_batch_size=8, **DELAYED_FWD)),
+    ]
+    dp = [
+        ("blockwise_dp", override_args(**DP2, parallel__zero=1, **BLOCKWISE)),
+        ("delayed_fwd_dp", override_args(**DP2, parallel__zero=0, **DELAYED_FWD)),
+        ("delayed_whole", override_args(**DELAYED)),
+        ("delayed_stopped", override_args(**DELAYED, train__stop_at_step=2)),
+        ("delayed_stopped", override_args(**DELAYED)),  # resumes the run above
+    ]
+    for nproc, cases in ((1, one), (2, dp)):
+        result = jobs_train(out, nproc, job, cases)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
 def _assert_close(ref: list[dict], got: list[dict], rel: float) -> None:
@@ -51,37 +85,16 @@ def _fp8_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return ckpt.load_train_state(ckpt.resolve_checkpoint(run_dir))["fp8"]
 
 
-def test_blockwise_fp8_dp2_zero1_equals_one_process_accumulating(
-    cli_train, tiny_job_args, tmp_path
-):
-    one = _train(
-        cli_train,
-        tiny_job_args,
-        tmp_path / "one",
-        1,
-        train__micro_batch_size=4,
-        train__grad_accum=2,
-        precision__fp8="blockwise",
-    )
-    dp = _train(
-        cli_train,
-        tiny_job_args,
-        tmp_path / "dp",
-        2,
-        **DP2,
-        parallel__zero=1,
-        precision__fp8="blockwise",
-    )
-    _assert_close(one, dp, 1e-6)
+def test_blockwise_fp8_dp2_zero1_equals_one_process_accumulating(runs):
+    _assert_close(read_metrics(runs / "blockwise_one"), read_metrics(runs / "blockwise_dp"), 1e-6)
 
 
-def test_delayed_fp8_dp2_equals_one_process(cli_train, tiny_job_args, tmp_path):
+def test_delayed_fp8_dp2_equals_one_process(runs):
     """Forward GEMMs in FP8 (module docstring): dp = 2 (DDP) takes one process's scales."""
-    fwd = {"precision__fp8": "delayed", "precision__fp8_high_precision": "dgrad,wgrad"}
-    one = _train(cli_train, tiny_job_args, tmp_path / "one", 1, train__micro_batch_size=8, **fwd)
-    dp = _train(cli_train, tiny_job_args, tmp_path / "dp", 2, **DP2, parallel__zero=0, **fwd)
-    _assert_close(one, dp, 1e-5)
-    want, got = _fp8_state(tmp_path / "one"), _fp8_state(tmp_path / "dp")
+    _assert_close(
+        read_metrics(runs / "delayed_fwd_one"), read_metrics(runs / "delayed_fwd_dp"), 1e-5
+    )
+    want, got = _fp8_state(runs / "delayed_fwd_one"), _fp8_state(runs / "delayed_fwd_dp")
     assert sorted(got) == sorted(want) and len(want) == 2 * 14  # history, scale per linear
     for key, value in want.items():
         if key.endswith("fp8_amax_history"):  # input and weight columns filled, 4 rows each
@@ -89,14 +102,11 @@ def test_delayed_fp8_dp2_equals_one_process(cli_train, tiny_job_args, tmp_path):
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=0, msg=key)
 
 
-def test_delayed_fp8_dp2_zero1_resumes_bitwise(cli_train, tiny_job_args, tmp_path):
+def test_delayed_fp8_dp2_zero1_resumes_bitwise(runs):
     """Every GEMM in FP8: the checkpoint's one copy of the histories is every rank's."""
-    job = {**DP2, "parallel__zero": 1, "precision__fp8": "delayed"}
-    whole = _train(cli_train, tiny_job_args, tmp_path / "whole", 2, **job)
-    _train(cli_train, tiny_job_args, tmp_path / "stopped", 2, **job, train__stop_at_step=2)
-    resumed = _train(cli_train, tiny_job_args, tmp_path / "stopped", 2, **job)
+    whole, resumed = read_metrics(runs / "delayed_whole"), read_metrics(runs / "delayed_stopped")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(whole[2:], resumed[2:], strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
-    want, got = _fp8_state(tmp_path / "whole"), _fp8_state(tmp_path / "stopped")
+    want, got = _fp8_state(runs / "delayed_whole"), _fp8_state(runs / "delayed_stopped")
     assert all(torch.equal(got[k], want[k]) for k in want)

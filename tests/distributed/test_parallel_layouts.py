@@ -2,13 +2,13 @@
 
 Each layout trains 5 steps with the same global batch as the single-process reference; losses
 and gradient norms must agree to a relative 1e-5 (fp32). World-2 layouts run through
-`hyperloom train --nproc 2`; worlds 4 and 8 run every layout in one torchrun launch each.
+`hyperloom train --nproc 2`; worlds 4 and 8 run every layout in one torchrun launch each
+(`jobs_worker.py`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import override_args
 
 from hyperloom.train import checkpoint as ckpt
 
@@ -145,36 +146,29 @@ def test_qk_norm_under_tensor_and_sequence_parallel_equals_single_process(tiny_j
 
 
 @pytest.fixture(scope="module")
-def many_layouts(tiny_job_args, tmp_path_factory):
-    """Every layout of worlds 4 and 8, one torchrun launch per world (`layouts_worker.py`):
+def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
+    """Every layout of worlds 4 and 8, one torchrun launch per world (`jobs_worker.py`):
     the same Trainer as the CLI, without paying interpreter and torch start-up per layout."""
     out = tmp_path_factory.mktemp("layouts")
     job = tiny_job_args(out / "unused", **MODEL)
-    job = job[: job.index("--logging.run_dir")] + job[job.index("--logging.run_dir") + 2 :]
-    worker = Path(__file__).with_name("layouts_worker.py")
     launched: dict[int, subprocess.CompletedProcess] = {}
 
     def launch(world: int) -> tuple[Path, subprocess.CompletedProcess]:
         if world not in launched:
-            cases = [f"{tp}:{dp}:{int(sp)}:{zero}" for tp, dp, sp, zero in layouts(world)]
-            launched[world] = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    f"--nproc-per-node={world}",
-                    str(worker),
-                    str(out / f"w{world}"),
-                    *cases,
-                    "--",
-                    *job,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=1200,
-                env={**os.environ, "LAYOUTS_GLOBAL_BATCH": str(GLOBAL_BATCH)},
-            )
+            cases = [
+                (
+                    f"{tp}-{dp}-{int(sp)}-{zero}",
+                    override_args(
+                        parallel__tp=tp,
+                        parallel__dp=dp,
+                        parallel__sp=sp,
+                        parallel__zero=zero,
+                        train__micro_batch_size=GLOBAL_BATCH // dp,
+                    ),
+                )
+                for tp, dp, sp, zero in layouts(world)
+            ]
+            launched[world] = jobs_train(out / f"w{world}", world, job, cases)
         return out / f"w{world}", launched[world]
 
     return launch

@@ -34,10 +34,12 @@ follows it within 3.9e-6 (losses of steps 4-6, asserted 1e-4).
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import override_args
+from test_parallel_layouts import read_metrics  # this directory is on sys.path
 
 WORKER = Path(__file__).with_name("fp8_ep_worker.py")
 BOUNDS = {"grad_step1": 1e-5, "loss": 1e-4, "norm": 1e-3}
@@ -92,46 +94,38 @@ MOE_EP2 = {
 }
 
 
-def _train(cli_train, tiny_job_args, run_dir: Path, nproc: int = 2, **overrides) -> list[dict]:
-    job = tiny_job_args(run_dir, **{**MOE_EP2, **overrides})
-    return cli_train(run_dir, "--nproc", str(nproc), *job)
-
-
-def test_cli_fp8_delayed_experts_ep2_checkpoint_resumes(cli_train, tiny_job_args, tmp_path):
+def test_cli_fp8_delayed_experts_ep2_checkpoint_resumes(tiny_job_args, jobs_train, tmp_path):
     """The trainer's checkpoint holds the experts' histories whole, (16, len, 9) gathered
     over ep: a dp2 x ep2 run stopped at step 3 and resumed takes steps 4-6 bit for bit like
     the run that was not stopped (an expert given another's history, or an empty one, would
-    quantize with other scales), and the same checkpoint resumes in one process."""
+    quantize with other scales), and the same checkpoint resumes in one process. The 2-process
+    runs share one launch of the CLI-equivalent `jobs_worker.py`, the one-process run another."""
     import torch
 
     from hyperloom.train.checkpoint import load_train_state
 
-    whole = _train(cli_train, tiny_job_args, tmp_path / "whole")
-    run_dir = tmp_path / "stopped"
-    _train(cli_train, tiny_job_args, run_dir, train__stop_at_step=3)
-    saved = next((run_dir / "checkpoints").glob("step_*"))
+    job = tiny_job_args(tmp_path, **MOE_EP2)
+    cases = [("whole", []), ("stopped", ["--train.stop_at_step", "3"]), ("stopped", [])]
+    result = jobs_train(tmp_path, 2, job, cases)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = tmp_path / "stopped" / "checkpoints" / "step_00000003"
     fp8 = load_train_state(saved)["fp8"]
     hist = fp8["layers.1.feed_forward.experts.fp8_amax_history"]
     assert hist.shape == (16, 1024, 9) and sorted({k.rpartition(".")[0] for k in fp8}) == [
         f"layers.{i}.feed_forward.experts" for i in (1, 2)
     ]
     assert torch.all(hist[:, :3].amax(dim=(1, 2)) > 0)  # every expert's weight amaxes: both ranks'
-    shutil.copytree(run_dir, tmp_path / "one")
-    resumed = _train(cli_train, tiny_job_args, run_dir)
-    want = {r["step"]: r["loss"] for r in whole}
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole")}
+    resumed = read_metrics(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == list(range(1, 7))  # resumed at 4, not restarted
     got = {r["step"]: r["loss"] for r in resumed}
-    assert sorted(got) == list(range(1, 7))
     assert all(got[s] == want[s] for s in range(4, 7)), (got, want)
-    one = _train(
-        cli_train,
-        tiny_job_args,
-        tmp_path / "one",
-        1,
-        parallel__dp=1,
-        parallel__ep=1,
-        train__micro_batch_size=4,
+    one = override_args(
+        parallel__dp=1, parallel__ep=1, train__micro_batch_size=4, checkpoint__resume=saved
     )
-    got = {r["step"]: r["loss"] for r in one}
-    assert sorted(got)[-3:] == [4, 5, 6]
+    result = jobs_train(tmp_path, 1, job, [("one", one)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one")}
+    assert sorted(got) == [4, 5, 6]
     worst = max(abs(got[s] - want[s]) / want[s] for s in range(4, 7))
     assert worst <= ONE_PROCESS_RESUME, (worst, got, want)

@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_parallel_layouts import read_metrics  # this directory is on sys.path
+
 WORKER = Path(__file__).with_name("fp8_pp_worker.py")
 CASES = [f"{r}:{s}" for r in ("current", "delayed", "blockwise") for s in ("1f1b", "zb-h1")]
 CASES += ["current:dualpipe", "blockwise:dualpipe", "delayed:dualpipe"]
@@ -79,36 +81,28 @@ def test_fp8_pp2_equals_one_process(tmp_path):
     assert not bad, json.dumps(bad, indent=1)
 
 
-def _train(tiny_job_args, run_dir: Path, **overrides) -> list[dict]:
-    job = {
-        "train__steps": 6,
-        "train__micro_batch_size": 1,
-        "train__warmup_steps": 2,
-        "parallel__pp": 2,
-        "parallel__pp_schedule": "1f1b",
-        "precision__fp8": "delayed",
-        "data__seq_len": 32,
-        **overrides,
-    }
-    args = ["train", "--nproc", "2", *tiny_job_args(run_dir, **job)]
-    result = subprocess.run(
-        [sys.executable, "-m", "hyperloom", *args], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == "train"]
+PP2_DELAYED = {
+    "train__steps": 6,
+    "train__micro_batch_size": 1,
+    "train__warmup_steps": 2,
+    "parallel__pp": 2,
+    "parallel__pp_schedule": "1f1b",
+    "precision__fp8": "delayed",
+    "data__seq_len": 32,
+}
 
 
-def test_cli_fp8_delayed_pp2_resumes_bitwise(tiny_job_args, tmp_path):
+def test_cli_fp8_delayed_pp2_resumes_bitwise(tiny_job_args, jobs_train, tmp_path):
     """The trainer's checkpoint holds every stage's amax histories by global name: a pp = 2
     delayed-scaling run stopped at step 3 and resumed takes steps 4-6 bit for bit like the
     run that was not stopped (without the pipeline's FP8 state the resume would restart
-    the histories and its scales would differ)."""
-    whole = _train(tiny_job_args, tmp_path / "whole")
-    run_dir = tmp_path / "stopped"
-    _train(tiny_job_args, run_dir, train__stop_at_step=3)
-    resumed = _train(tiny_job_args, run_dir)
-    want = {r["step"]: r["loss"] for r in whole}
+    the histories and its scales would differ). The three runs: one launch of the
+    CLI-equivalent `jobs_worker.py`."""
+    cases = [("whole", []), ("stopped", ["--train.stop_at_step", "3"]), ("stopped", [])]
+    result = jobs_train(tmp_path, 2, tiny_job_args(tmp_path, **PP2_DELAYED), cases)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole")}
+    resumed = read_metrics(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == list(range(1, 7))  # resumed at 4, not restarted
     got = {r["step"]: r["loss"] for r in resumed}
-    assert sorted(got) == list(range(1, 7))
     assert all(got[s] == want[s] for s in range(4, 7)), (got, want)

@@ -80,6 +80,20 @@ def assert_same_training(reference: list[dict], other: list[dict], steps=None) -
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step} {key}: {a} vs {b}"
 
 
+# World 8 runs 6 of its 15 layouts: tp 4 x dp 2, which world 4 cannot have, with each sp and
+# zero once, tp 2 x dp 4 twice and dp 8 with FSDP (world 4 runs all 11 of its layouts; the 15
+# took 61 s of the suite under load).
+WORLD8 = [(1, 8, False, 3), (2, 4, True, 1), (2, 4, False, 3), (4, 2, False, 1), (4, 2, True, 0)]
+WORLD8 += [(4, 2, True, 3)]
+
+
+def tested_layouts(world: int) -> list[tuple[int, int, bool, int]]:
+    if world != 8:
+        return layouts(world)
+    assert set(WORLD8) <= set(layouts(8))
+    return WORLD8
+
+
 def _case(world: int, layout: tuple[int, int, bool, int]):
     tp, dp, sp, zero = layout
     marks = [pytest.mark.slow] if world == 8 else []
@@ -131,7 +145,7 @@ def test_qk_norm_under_tensor_and_sequence_parallel_equals_single_process(tiny_j
 
 @pytest.fixture(scope="module")
 def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
-    """Every layout of worlds 2, 4 and 8, one torchrun launch per world (`jobs_worker.py`):
+    """The layouts of worlds 2, 4 and 8, one torchrun launch per world (`jobs_worker.py`):
     the same Trainer as the CLI, without paying interpreter and torch start-up per layout."""
     out = tmp_path_factory.mktemp("layouts")
     job = tiny_job_args(out / "unused", **MODEL)
@@ -150,7 +164,7 @@ def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
                         train__micro_batch_size=GLOBAL_BATCH // dp,
                     ),
                 )
-                for tp, dp, sp, zero in layouts(world)
+                for tp, dp, sp, zero in tested_layouts(world)
             ]
             launched[world] = jobs_train(out / f"w{world}", world, job, cases)
         return out / f"w{world}", launched[world]
@@ -159,7 +173,7 @@ def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "world,tp,dp,sp,zero", [_case(w, lay) for w in (2, 4, 8) for lay in layouts(w)]
+    "world,tp,dp,sp,zero", [_case(w, lay) for w in (2, 4, 8) for lay in tested_layouts(w)]
 )
 def test_many_layouts_equal_single_process(reference, many_layouts, world, tp, dp, sp, zero):
     out, result = many_layouts(world)

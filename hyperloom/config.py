@@ -186,6 +186,13 @@ class PrecisionConfig:
         "(TE's override_linear_precision; ['wgrad'] is Megatron's --no-fp8-wgrad)",
         factory=list,
     )
+    fp8_activation: bool = knob(
+        False,
+        "under fp8, every FP8 linear (and MoE expert) saves the FP8 copy of its input for "
+        "backward, 1 byte per element instead of the high-precision input, as DeepSeek-V3 "
+        "caches activations; blockwise, MXFP8 and rowwise re-tile it for the weight "
+        "gradient, a second rounding (current and delayed always keep only the FP8 copy)",
+    )
     fp8_bf16_first_layers: int = knob(
         0,
         "under fp8, the first N transformer blocks keep every linear in high precision "

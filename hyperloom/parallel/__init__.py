@@ -23,7 +23,8 @@ from hyperloom.parallel.parallelize import (
 def apply_fp8(model: nn.Module, cfg: JobConfig) -> None:
     """Swap in FP8 linears as `precision` says (a whole model or one pipeline chunk, on the
     meta device, before tp): the recipe with its GEMM overrides, the `fp8_keep` patterns,
-    and the first/last `fp8_bf16_*_layers` blocks kept whole in high precision. Blocks are
+    the first/last `fp8_bf16_*_layers` blocks kept whole in high precision, and FP8 storage
+    of the saved activations (`fp8_activation`). Blocks are
     `layers.N` by global index in every family and in pipeline chunks alike."""
     p8 = cfg.precision
     if p8.fp8 == "none":
@@ -31,7 +32,8 @@ def apply_fp8(model: nn.Module, cfg: JobConfig) -> None:
     n = cfg.model.n_layers
     ends = [*range(p8.fp8_bf16_first_layers), *range(n - p8.fp8_bf16_last_layers, n)]
     keep = [*p8.fp8_keep, *(f"layers.{i}.*" for i in ends)]
-    convert_to_fp8(model, recipe_from_name(p8.fp8, p8.fp8_high_precision), keep=keep)
+    recipe = recipe_from_name(p8.fp8, p8.fp8_high_precision)
+    convert_to_fp8(model, recipe, keep=keep, fp8_activation=p8.fp8_activation)
 
 
 def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> ParallelModel:

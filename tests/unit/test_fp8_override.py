@@ -196,3 +196,48 @@ def test_bad_layer_counts_are_refused(extra, match):
         _tiny_fp8_job(*extra)
     if "-1" not in extra:  # without fp8 the counts have nothing to keep out of it
         _tiny_fp8_job(*extra, "--precision.fp8", "none")
+
+
+def test_fp8_activation_switch_saves_the_fp8_copy_instead_of_the_input():
+    """precision.fp8_activation: every FP8 linear keeps its input's FP8 copy for backward
+    instead of the input. The forward and every data gradient are unchanged (bit for bit:
+    the norms' and embedding's gradients too); only FP8 weights' gradients move, where
+    re-tiling the FP8 copy (blockwise: 1 x 128 along K to 1 x 128 along tokens) rounds a
+    second time -- with power-of-two scales only values pushed below E4M3's normal range
+    round again, so some gradients stay bit for bit; and the unique storages saved for
+    backward lose at least each SwiGLU down-projection's input, which only it saves."""
+    from hyperloom.accelerator import get_accelerator
+    from hyperloom.engine.fp8.convert import fp8_modules
+    from hyperloom.parallel import parallelize
+    from hyperloom.parallel.mesh import build_mesh
+
+    acc = get_accelerator("cpu")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for on in (False, True):
+        cfg = _tiny_fp8_job("--precision.fp8_activation", str(on).lower())
+        model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+        fp8 = dict(fp8_modules(model))
+        assert fp8 and all(m.fp8_activation is on for m in fp8.values())
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, labels=tokens)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        runs[on] = loss, grads, {f"{n}.weight" for n in fp8}, sum(saved.values())
+    (loss0, g0, fp8_weights, bytes0), (loss1, g1, _, bytes1) = runs[False], runs[True]
+    assert torch.equal(loss0, loss1)
+    for name, g in g0.items():
+        if name in fp8_weights:
+            assert (g1[name] - g).norm() <= 0.1 * g.norm(), name
+        else:
+            assert torch.equal(g, g1[name]), name
+    moved = [n for n in fp8_weights if not torch.equal(g0[n], g1[n])]
+    assert moved, "no weight gradient came from the FP8 copy"
+    down_inputs = 4 * 2 * 32 * 128 * 4  # layers x tokens x ffn_dim x fp32 bytes
+    assert bytes0 - bytes1 >= down_inputs, (bytes0, bytes1)

@@ -73,10 +73,18 @@ def job_strategy(
 
 def runtime_of(job: JobConfig) -> Runtime:
     """The planner's runtime for this job: the fused cross-entropy unless its ops keep the
-    reference loss (vocab-parallel heads always run the chunked operator)."""
-    ops = job.ops
+    reference loss (vocab-parallel heads always run the chunked operator); FP8 layers save
+    their inputs' FP8 copies under `precision.fp8_activation`, and per-tensor recipes
+    (current, delayed) whenever their weight-gradient GEMM is FP8 (`engine.fp8.modules`):
+    with the forward and weight-gradient GEMMs both in high precision nothing is quantized
+    to keep."""
+    ops, p8 = job.ops, job.precision
     fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
-    return job_runtime(fused_cross_entropy=fused)
+    high = set(p8.fp8_high_precision)
+    quantized = not {"fprop", "wgrad"} <= high
+    per_tensor = p8.fp8 in ("current", "delayed") and "wgrad" not in high
+    copies = quantized and (p8.fp8_activation or per_tensor)
+    return job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
 
 
 CPU_PROFILE = "calibrated-cpu"  # what `calibrate` names a profile measured on a CPU

@@ -197,7 +197,8 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     head = head_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
-    lm = LayerMemory.of(layer, key.recompute, key.fp8, dispatch_buffer(layer, spec, key))
+    fp8_saved = key.fp8 and rt.fp8_saved_inputs
+    lm = LayerMemory.of(layer, key.recompute, fp8_saved, dispatch_buffer(layer, spec, key))
     return lm, one, emb, head, links
 
 

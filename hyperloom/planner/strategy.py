@@ -112,6 +112,10 @@ class Runtime:
     dualpipe_ep_overlap: float = 0.0  # ... hidden inside DualPipe's F&B pairs (see docstring)
     a2a_node_dedup: bool = False  # one network copy per destination node (DeepEP)
     fp8_dispatch: bool = False  # with FP8 on, the dispatch all-to-all moves FP8 (DeepSeek)
+    # With FP8 on, each FP8 GEMM's input is saved for backward as its 1-byte FP8 copy, as TE's
+    # per-tensor recipes and DeepSeek-V3 do; hyperloom's block recipes save the input itself
+    # unless `precision.fp8_activation` (`runtime_of` reads the job).
+    fp8_saved_inputs: bool = True
 
     @property
     def norm_out_bytes(self) -> float:
@@ -129,12 +133,17 @@ class Runtime:
         return dataclasses.replace(self, param_bytes=4)
 
 
-def job_runtime(fused_cross_entropy: bool = True, base: str = "hyperloom") -> Runtime:
+def job_runtime(
+    fused_cross_entropy: bool = True, base: str = "hyperloom", fp8_saved_inputs: bool = True
+) -> Runtime:
     """The hyperloom runtime as a training job runs it (module docstring): the fused
-    cross-entropy unless the job's ops keep the reference loss, and autocast as torch applies
-    it, per op (`autocast_per_op`)."""
+    cross-entropy unless the job's ops keep the reference loss, autocast as torch applies
+    it, per op (`autocast_per_op`), and whether FP8 layers save their inputs' FP8 copies."""
     return dataclasses.replace(
-        RUNTIMES[base], fused_cross_entropy=fused_cross_entropy, autocast_per_op=True
+        RUNTIMES[base],
+        fused_cross_entropy=fused_cross_entropy,
+        autocast_per_op=True,
+        fp8_saved_inputs=fp8_saved_inputs,
     )
 
 

@@ -121,6 +121,31 @@ def test_self_check_runtime_follows_the_job_ops():
     assert runtime_of(load_config(None, [])).fused_cross_entropy
 
 
+@pytest.mark.parametrize(
+    "args,copies",
+    [
+        (["--precision.fp8", "blockwise"], False),
+        (["--precision.fp8", "blockwise", "--precision.fp8_activation", "true"], True),
+        (["--precision.fp8", "current"], True),
+        (["--precision.fp8", "delayed", "--precision.fp8_high_precision", '["wgrad"]'], False),
+        (["--precision.fp8", "mxfp8", "--precision.fp8_activation", "true",
+          "--precision.fp8_high_precision", '["fprop", "wgrad"]'], False),
+    ],
+)  # fmt: skip
+def test_self_check_runtime_saves_fp8_inputs_as_the_layers_do(args, copies):
+    """What an FP8 layer keeps for backward (engine.fp8.modules): its input's FP8 copy
+    under precision.fp8_activation or a per-tensor recipe whose weight gradient is FP8,
+    else the input itself -- and the predicted activations follow (half the GEMM inputs)."""
+    job = load_config(None, args)
+    rt = runtime_of(job)
+    assert rt.fp8_saved_inputs is copies
+    s = Strategy(dp=1, mbs=1, microbatches=1, fp8=True)
+    saved = predict(SMALL, Cluster.of("h100", 1), s, 16, rt, margin_gib=0).memory[0]
+    other = dataclasses.replace(rt, fp8_saved_inputs=not copies)
+    flipped = predict(SMALL, Cluster.of("h100", 1), s, 16, other, margin_gib=0).memory[0]
+    assert (saved.activations < flipped.activations) is copies
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2 and /proc")
 def test_runtime_memory_is_a_line_through_two_fresh_training_processes():

@@ -21,9 +21,10 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch only in annotations: `hyperloom config` must not import it
+    import torch
 
 log = logging.getLogger("hyperloom.convert")
 

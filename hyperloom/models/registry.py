@@ -12,12 +12,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from hyperloom.config import ModelConfig, build_section
+
+if TYPE_CHECKING:  # torch is imported where a model is built: loading a config needs none
+    import torch
+    from torch import nn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -111,10 +112,14 @@ def preset_config(name: str) -> ModelConfig:
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Module:
     """The model with parameters on `device` (default meta: no storage, no init)."""
+    import torch
+
     with torch.device(device):
         return family(cfg.family).build(cfg)
 
 
 def init_model(cfg: ModelConfig, device: torch.device | str, seed: int) -> nn.Module:
     """Build on the meta device, then allocate on `device` and initialise from `seed`."""
+    import torch
+
     return build_model(cfg).materialize(torch.device(device), seed)

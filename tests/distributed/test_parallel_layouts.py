@@ -87,7 +87,7 @@ WORLD8 = [(1, 8, False, 3), (2, 4, True, 1), (2, 4, False, 3), (4, 2, False, 1),
 WORLD8 += [(4, 2, True, 3)]
 
 
-def tested_layouts(world: int) -> list[tuple[int, int, bool, int]]:
+def layouts_to_run(world: int) -> list[tuple[int, int, bool, int]]:
     if world != 8:
         return layouts(world)
     assert set(WORLD8) <= set(layouts(8))
@@ -164,7 +164,7 @@ def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
                         train__micro_batch_size=GLOBAL_BATCH // dp,
                     ),
                 )
-                for tp, dp, sp, zero in tested_layouts(world)
+                for tp, dp, sp, zero in layouts_to_run(world)
             ]
             launched[world] = jobs_train(out / f"w{world}", world, job, cases)
         return out / f"w{world}", launched[world]
@@ -173,7 +173,7 @@ def many_layouts(tiny_job_args, jobs_train, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "world,tp,dp,sp,zero", [_case(w, lay) for w in (2, 4, 8) for lay in tested_layouts(w)]
+    "world,tp,dp,sp,zero", [_case(w, lay) for w in (2, 4, 8) for lay in layouts_to_run(w)]
 )
 def test_many_layouts_equal_single_process(reference, many_layouts, world, tp, dp, sp, zero):
     out, result = many_layouts(world)

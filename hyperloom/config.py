@@ -191,7 +191,8 @@ class PrecisionConfig:
         "under fp8, every FP8 linear (and MoE expert) saves the FP8 copy of its input for "
         "backward, 1 byte per element instead of the high-precision input, as DeepSeek-V3 "
         "caches activations; blockwise, MXFP8 and rowwise re-tile it for the weight "
-        "gradient, a second rounding (current and delayed always keep only the FP8 copy)",
+        "gradient, a second rounding (current and delayed keep only the FP8 copy anyway "
+        "whenever their weight-gradient GEMM is FP8)",
     )
     fp8_bf16_first_layers: int = knob(
         0,

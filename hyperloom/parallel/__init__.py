@@ -24,8 +24,8 @@ def apply_fp8(model: nn.Module, cfg: JobConfig) -> None:
     """Swap in FP8 linears as `precision` says (a whole model or one pipeline chunk, on the
     meta device, before tp): the recipe with its GEMM overrides, the `fp8_keep` patterns,
     the first/last `fp8_bf16_*_layers` blocks kept whole in high precision, and FP8 storage
-    of the saved activations (`fp8_activation`). Blocks are
-    `layers.N` by global index in every family and in pipeline chunks alike."""
+    of the saved activations (`fp8_activation`). Blocks are `layers.N` by global index in
+    every family and in pipeline chunks alike."""
     p8 = cfg.precision
     if p8.fp8 == "none":
         return

@@ -1,8 +1,9 @@
-"""Every parallel layout trains exactly like one process (gloo workers on CPU).
+"""Parallel layouts train exactly like one process (gloo workers on CPU).
 
 Each layout trains 5 steps with the same global batch as the single-process reference; losses
-and gradient norms must agree to a relative 1e-5 (fp32). Each world (2, 4, 8) runs all its
-layouts in one torchrun launch of `jobs_worker.py`, the CLI's Trainer and config loading
+and gradient norms must agree to a relative 1e-5 (fp32). Worlds 2 and 4 run every layout,
+world 8 six of its fifteen (`WORLD8`), each world in one torchrun launch of
+`jobs_worker.py`, the CLI's Trainer and config loading
 without an interpreter start-up per layout; the other tests here go through
 `hyperloom train --nproc N` itself.
 """

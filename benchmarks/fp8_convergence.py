@@ -75,12 +75,12 @@ JUDGED = ("blockwise", "current")
 # --first-last-layers-bf16 at its default of one each; `precision.fp8_bf16_*_layers`).
 # blockwise-qk: blockwise with the attention query and key projections in BF16 (added to
 # `precision.fp8_keep`), the linears whose FP8 gradient error is largest
-# (`fp8_gradient_fidelity.py`).
+# (`fp8_gradient_fidelity.py`); current-qk: the same for current scaling.
 CONTROLS = ("fp32", "bf16-refops", "blockwise-fwd", "blockwise-bwd", "blockwise-ends",
-            "blockwise-qk")  # fmt: skip
+            "blockwise-qk", "current-qk")  # fmt: skip
 SPLIT_CONTROLS = {"blockwise-fwd": ["dgrad", "wgrad"], "blockwise-bwd": ["fprop"]}
 END_CONTROLS = {"blockwise-ends": 1}
-KEEP_CONTROLS = {"blockwise-qk": ["*.wq", "*.wk"]}
+KEEP_CONTROLS = {"blockwise-qk": ["*.wq", "*.wk"], "current-qk": ["*.wq", "*.wk"]}
 BF16_REPEATS = ("bf16-refops",)
 BENCH_FILE = "bench.json"  # what this benchmark asked of the run, and the wall time it took
 

@@ -19,13 +19,17 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
-from hyperloom.models.convert import add_convert_parser
+from hyperloom.models.convert import ConvertError, add_convert_parser
+from hyperloom.pipeline import ScheduleError
 from hyperloom.pipeline.cli import add_schedule_parser
+from hyperloom.planner import PlanError
 from hyperloom.planner.cli import add_plan_parser
 from hyperloom.resilience.drill import add_drill_parser
 from hyperloom.resilience.watchdog import GAVE_UP_EXIT, RestartLoopError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError,)
+# User errors whose modules load without torch: caught first, so a mistake in a config,
+# a plan or a schedule is answered without importing it (see `_user_errors` for the rest).
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PlanError, ScheduleError, ConvertError)
 
 
 def _report_user_error(args: argparse.Namespace, exc: Exception) -> int:
@@ -39,9 +43,6 @@ def _user_errors() -> tuple[type[Exception], ...]:
     # torch-heavy modules: torch's import is 1.7 s of a 3 s `config` command.
     from hyperloom.accelerator import AcceleratorError
     from hyperloom.data import DataError
-    from hyperloom.models.convert import ConvertError
-    from hyperloom.pipeline import ScheduleError
-    from hyperloom.planner import PlanError
     from hyperloom.resilience.policy import TrainingHalted
     from hyperloom.train.checkpoint import CheckpointError
 
@@ -50,10 +51,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         AcceleratorError,
         DataError,
         CheckpointError,
-        ScheduleError,
-        PlanError,
         TrainingHalted,
-        ConvertError,
     )
 
 

@@ -48,9 +48,12 @@ def _llama() -> ModelFamily:
     from hyperloom.models import llama
     from hyperloom.models.llama.plan import pipeline_chunk, tp_plan
 
+    def build(cfg: ModelConfig) -> nn.Module:
+        return llama.Llama(cfg)  # imports torch (lazy attribute): the accounting needs none
+
     return ModelFamily(
         "llama",
-        llama.Llama,
+        build,
         llama.param_count,
         llama.training_flops_per_token,
         tp_plan,
@@ -62,9 +65,12 @@ def _deepseek() -> ModelFamily:
     from hyperloom.models import deepseek
     from hyperloom.models.deepseek.plan import pipeline_chunk, tp_plan
 
+    def build(cfg: ModelConfig) -> nn.Module:
+        return deepseek.DeepSeekV3(cfg)
+
     return ModelFamily(
         "deepseek",
-        deepseek.DeepSeekV3,
+        build,
         deepseek.param_count,
         deepseek.training_flops_per_token,
         tp_plan,

@@ -34,10 +34,13 @@ runtime sums with the first stage's. Expert parallelism is applied from outside 
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from hyperloom.config import ModelConfig
 from hyperloom.models.llama.plan import pipeline_chunk as _llama_chunk
+
+if TYPE_CHECKING:  # the registry imports this module; `model info` needs no torch
+    from torch import nn
 
 _MLA = {
     "attention.wq_a": "tp_output_grad",
@@ -80,5 +83,7 @@ def pipeline_chunk(model: nn.Module, layers: range, first: bool, last: bool) -> 
     if last and model.mtp:
         model.tok_embeddings = embedding
     if not last:
+        from torch import nn
+
         model.mtp = nn.ModuleDict()
     return model

@@ -38,10 +38,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import override_args
-from test_fp8_expert_parallel import MOE_EP2  # this directory is on sys.path
+from fp8_resume import assert_fp8_resumes, fp8_state  # this directory is on sys.path
+from test_fp8_expert_parallel import MOE_EP2
 from test_parallel_layouts import MODEL, read_metrics
-
-from hyperloom.train import checkpoint as ckpt
 
 STEPS = 4
 DP2 = {"parallel__dp": 2, "train__micro_batch_size": 4}
@@ -77,35 +76,11 @@ def runs(tiny_job_args, jobs_train, tmp_path_factory) -> Path:
     return out
 
 
-def _assert_resumes(whole_dir: Path, resumed_dir: Path, stopped_at: int, later: float = 0) -> None:
-    """The run stopped at `stopped_at` and resumed takes the next step bit for bit like the
-    run that went on (same weights, and the same FP8 scales on every rank only if every
-    rank's histories were equal when the checkpoint kept one copy), and the steps after it
-    within `later` (relative; 0: bit for bit, and then it ends with the same FP8 state; after
-    a drift, routing flips move single experts' amaxes by more than `later`, so the state is
-    only compared bit for bit)."""
-    whole, resumed = read_metrics(whole_dir), read_metrics(resumed_dir)
-    steps = [r["step"] for r in whole]
-    assert [r["step"] for r in resumed] == steps  # resumed after the stop, not restarted
-    first, *rest = zip(whole[stopped_at:], resumed[stopped_at:], strict=True)
-    assert (first[0]["loss"], first[0]["grad_norm"]) == (first[1]["loss"], first[1]["grad_norm"])
-    for a, b in rest:
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= later * abs(a[key]), (a["step"], key, a[key], b[key])
-    want, got = _fp8_state(whole_dir), _fp8_state(resumed_dir)
-    assert want and sorted(got) == sorted(want)
-    assert later or all(torch.equal(got[k], want[k]) for k in want)
-
-
 def _assert_close(ref: list[dict], got: list[dict], rel: float) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= rel * abs(a[key]), (a["step"], key, a[key], b[key])
-
-
-def _fp8_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load_train_state(ckpt.resolve_checkpoint(run_dir))["fp8"]
 
 
 def test_blockwise_fp8_dp2_zero1_equals_one_process_accumulating(runs):
@@ -117,7 +92,7 @@ def test_delayed_fp8_dp2_equals_one_process(runs):
     _assert_close(
         read_metrics(runs / "delayed_fwd_one"), read_metrics(runs / "delayed_fwd_dp"), 1e-5
     )
-    want, got = _fp8_state(runs / "delayed_fwd_one"), _fp8_state(runs / "delayed_fwd_dp")
+    want, got = fp8_state(runs / "delayed_fwd_one"), fp8_state(runs / "delayed_fwd_dp")
     assert sorted(got) == sorted(want) and len(want) == 2 * 14  # history, scale per linear
     for key, value in want.items():
         if key.endswith("fp8_amax_history"):  # input and weight columns filled, 4 rows each
@@ -127,7 +102,7 @@ def test_delayed_fp8_dp2_equals_one_process(runs):
 
 def test_delayed_fp8_dp2_zero1_resumes_bitwise(runs):
     """Every GEMM in FP8: the checkpoint's one copy of the histories is every rank's."""
-    _assert_resumes(runs / "delayed_whole", runs / "delayed_stopped", 2)
+    assert_fp8_resumes(runs / "delayed_whole", runs / "delayed_stopped", 2)
 
 
 def test_delayed_fp8_pp2_dp2_and_experts_ep2_dp4_resume(tiny_job_args, jobs_train, tmp_path):
@@ -161,4 +136,4 @@ def test_delayed_fp8_pp2_dp2_and_experts_ep2_dp4_resume(tiny_job_args, jobs_trai
         result = jobs_train(tmp_path / name, 4, tiny_job_args(tmp_path, **job), cases)
         assert result.returncode == 0, result.stderr[-3000:]
         out = tmp_path / name
-        _assert_resumes(out / f"{name}_whole", out / f"{name}_stopped", stop, later)
+        assert_fp8_resumes(out / f"{name}_whole", out / f"{name}_stopped", stop, later)

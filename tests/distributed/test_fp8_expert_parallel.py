@@ -39,7 +39,8 @@ import sys
 from pathlib import Path
 
 from conftest import override_args
-from test_parallel_layouts import read_metrics  # this directory is on sys.path
+from fp8_resume import assert_fp8_resumes  # this directory is on sys.path
+from test_parallel_layouts import read_metrics
 
 WORKER = Path(__file__).with_name("fp8_ep_worker.py")
 BOUNDS = {"grad_step1": 1e-5, "loss": 1e-4, "norm": 1e-3}
@@ -97,8 +98,9 @@ MOE_EP2 = {
 def test_cli_fp8_delayed_experts_ep2_checkpoint_resumes(tiny_job_args, jobs_train, tmp_path):
     """The trainer's checkpoint holds the experts' histories whole, (16, len, 9) gathered
     over ep: a dp2 x ep2 run stopped at step 3 and resumed takes steps 4-6 bit for bit like
-    the run that was not stopped (an expert given another's history, or an empty one, would
-    quantize with other scales), and the same checkpoint resumes in one process. The 2-process
+    the run that was not stopped (losses, gradient norms) and ends with the same FP8 state
+    (an expert given another's history, or an empty one, would quantize with other scales),
+    and the same checkpoint resumes in one process. The 2-process
     runs share one launch of the CLI-equivalent `jobs_worker.py`, the one-process run another."""
     import torch
 
@@ -115,11 +117,8 @@ def test_cli_fp8_delayed_experts_ep2_checkpoint_resumes(tiny_job_args, jobs_trai
         f"layers.{i}.feed_forward.experts" for i in (1, 2)
     ]
     assert torch.all(hist[:, :3].amax(dim=(1, 2)) > 0)  # every expert's weight amaxes: both ranks'
+    assert_fp8_resumes(tmp_path / "whole", tmp_path / "stopped", 3)
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole")}
-    resumed = read_metrics(tmp_path / "stopped")
-    assert [r["step"] for r in resumed] == list(range(1, 7))  # resumed at 4, not restarted
-    got = {r["step"]: r["loss"] for r in resumed}
-    assert all(got[s] == want[s] for s in range(4, 7)), (got, want)
     one = override_args(
         parallel__dp=1, parallel__ep=1, train__micro_batch_size=4, checkpoint__resume=saved
     )

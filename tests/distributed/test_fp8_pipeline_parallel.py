@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_parallel_layouts import read_metrics  # this directory is on sys.path
+from fp8_resume import assert_fp8_resumes  # this directory is on sys.path
 
 WORKER = Path(__file__).with_name("fp8_pp_worker.py")
 CASES = [f"{r}:{s}" for r in ("current", "delayed", "blockwise") for s in ("1f1b", "zb-h1")]
@@ -95,14 +95,11 @@ PP2_DELAYED = {
 def test_cli_fp8_delayed_pp2_resumes_bitwise(tiny_job_args, jobs_train, tmp_path):
     """The trainer's checkpoint holds every stage's amax histories by global name: a pp = 2
     delayed-scaling run stopped at step 3 and resumed takes steps 4-6 bit for bit like the
-    run that was not stopped (without the pipeline's FP8 state the resume would restart
-    the histories and its scales would differ). The three runs: one launch of the
+    run that was not stopped (losses, gradient norms) and ends with the same FP8 state
+    (without the pipeline's FP8 state the resume would restart the histories and its scales
+    would differ). The three runs: one launch of the
     CLI-equivalent `jobs_worker.py`."""
     cases = [("whole", []), ("stopped", ["--train.stop_at_step", "3"]), ("stopped", [])]
     result = jobs_train(tmp_path, 2, tiny_job_args(tmp_path, **PP2_DELAYED), cases)
     assert result.returncode == 0, result.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole")}
-    resumed = read_metrics(tmp_path / "stopped")
-    assert [r["step"] for r in resumed] == list(range(1, 7))  # resumed at 4, not restarted
-    got = {r["step"]: r["loss"] for r in resumed}
-    assert all(got[s] == want[s] for s in range(4, 7)), (got, want)
+    assert_fp8_resumes(tmp_path / "whole", tmp_path / "stopped", 3)

@@ -72,7 +72,8 @@ def parallelize(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Par
     model.init_weights(cfg.train.seed)
     reset_fp8_state(model)  # to_empty left the delayed-scaling buffers uninitialised
     ignore = experts.names if experts is not None else []
-    module = wrap_data_parallel(model, mesh, cfg.parallel.zero, ignore)
+    routed = cfg.model.n_routed_experts > 0
+    module = wrap_data_parallel(model, mesh, cfg.parallel.zero, ignore, routed)
     return ParallelModel(module, model, mesh, cfg.parallel.zero, sp_params, experts=experts)
 
 

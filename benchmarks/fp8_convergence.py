@@ -32,6 +32,14 @@ the arithmetic. With the trainer's default (`skip`), the 1000-step runs of seed 
 7 (delayed) to 29 (bf16-refops) updates each, at different steps per recipe. The JSON counts
 each run's skipped updates.
 
+`--warmup-steps` / `--lr` change the job's learning-rate warmup (30 steps) and peak (3e-3) for
+every contender alike. With the job's 30-step warmup, two BF16 runs of one seed that round a few
+operations differently can part near step 20 -- the loss jumps in one of them while the learning
+rate climbs past 2e-3 -- and keep that offset (2.8% at step 1000 for seed 4321), so one end point
+says little about the arithmetic. `--stop-at N` stops every run at step N (`train.stop_at_step`:
+the schedule still plans `--steps`), and a later call without it continues them: a short look at
+whether two runs track each other, extended only if they do.
+
 Runs go to `--run-root/<recipe>`. A run that finished `--steps` is reused, not rerun; one that
 stopped part way resumes from its newest checkpoint (saved every `--checkpoint-every` steps), so a
 long benchmark can be continued. `--collect` only gathers what the run dirs hold.
@@ -128,6 +136,12 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:
         cmd += ["--data.seq_len", str(args.seq_len)]
+    if args.warmup_steps is not None:
+        cmd += ["--train.warmup_steps", str(args.warmup_steps)]
+    if args.lr is not None:
+        cmd += ["--train.lr", str(args.lr)]
+    if args.stop_at:
+        cmd += ["--train.stop_at_step", str(args.stop_at)]
     return cmd
 
 
@@ -137,6 +151,9 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: getattr(args, k) for k in keys}
     if args.qk_norm:  # only when set, so run dirs from before the flag existed stay reusable
         out["qk_norm"] = True
+    for key in ("warmup_steps", "lr"):  # likewise; --stop-at is no setting: a run goes on
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
     return out
 
 
@@ -233,7 +250,8 @@ def collect(run_dir: Path, steps: int) -> dict[str, Any] | None:
         "train_time_s": summary.get("wall_time_s"),
         "fp8_log": fp8_line,
         "skipped_updates": len(skipped),
-        "finished": bool(summary) and summary.get("steps") == max(train, default=-1),
+        # a run stopped early (--stop-at) has a summary too, of fewer steps
+        "finished": bool(summary) and summary.get("steps") == max(train, default=-1) == steps,
         "command": portable(bench.get("command"), run_dir),
     }
 
@@ -353,7 +371,7 @@ def combine(paths: list[Path], out_path: Path, tolerance: float) -> dict[str, An
     return out
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, in run order")
     ap.add_argument("--steps", type=int, default=1000)
@@ -371,6 +389,12 @@ def main() -> None:
         choices=["none", "skip"],
         help="the training guard's action on a loss/grad spike (module docstring)",
     )
+    ap.add_argument(
+        "--warmup-steps", type=int, help="train.warmup_steps (default: the job's; docstring)"
+    )
+    ap.add_argument("--lr", type=float, help="train.lr, the peak learning rate (default: job's)")
+    stop = "stop every run at this step (train.stop_at_step); a later call without it goes on"
+    ap.add_argument("--stop-at", type=int, default=0, help=stop)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--checkpoint-every", type=int, default=250)
     ap.add_argument("--parallel", type=int, default=1, help="runs at a time")
@@ -383,7 +407,11 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=RESULTS / "fp8_convergence.json")
     ap.add_argument("--plot", type=Path, default=RESULTS / "fp8_convergence.png")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
     if args.combine:
         combine(args.combine, args.json, args.tolerance)
         return

@@ -1,0 +1,64 @@
+"""benchmarks/fp8_convergence.py's bookkeeping, without training: the command line each contender
+runs, which flags make two runs the same run (so a finished one is reused only when it is), and
+that a run stopped early (`--stop-at`) is not taken for a finished one."""
+
+from __future__ import annotations
+
+import json
+
+BENCHMARK = "fp8_convergence"  # the conftest `bench` fixture imports it
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    """The value after `name` in a command line (None when absent)."""
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_schedule_flags_reach_every_contender(bench, tmp_path):
+    args = bench.parse(["--warmup-steps", "100", "--lr", "0.002", "--stop-at", "300"])
+    for recipe in ("bf16", "blockwise-qk", "current"):
+        cmd = bench.train_command(recipe, tmp_path / recipe, args)
+        assert flag(cmd, "--train.warmup_steps") == "100"
+        assert flag(cmd, "--train.lr") == "0.002"
+        assert flag(cmd, "--train.stop_at_step") == "300"
+        assert flag(cmd, "--train.steps") == "1000"  # the schedule still plans all the steps
+    qk = bench.train_command("blockwise-qk", tmp_path / "qk", args)
+    assert flag(qk, "--precision.fp8") == "blockwise"
+    assert {"*.wq", "*.wk"} <= set(json.loads(flag(qk, "--precision.fp8_keep")))
+    plain = bench.train_command("bf16", tmp_path / "bf16", bench.parse([]))
+    assert flag(plain, "--precision.fp8") == "none"
+    for name in ("--train.warmup_steps", "--train.lr", "--train.stop_at_step"):
+        assert name not in plain  # the job's own schedule
+
+
+def test_settings_name_the_schedule_only_when_changed(bench):
+    base = bench.settings(bench.parse([]))
+    assert "warmup_steps" not in base and "lr" not in base  # older run dirs stay reusable
+    changed = bench.settings(bench.parse(["--warmup-steps", "100", "--lr", "0.002"]))
+    assert changed["warmup_steps"] == 100 and changed["lr"] == 0.002
+    # stopping early is no setting: the same run goes on later without it
+    assert bench.settings(bench.parse(["--warmup-steps", "100", "--stop-at", "300"])) == {
+        **base,
+        "warmup_steps": 100,
+    }
+
+
+def write_run(run_dir, last: int, every: int = 100) -> None:
+    run_dir.mkdir(parents=True)
+    lines = [
+        {"event": "train", "step": s, "loss": 5.0, "tokens_per_s": 1e3}
+        for s in range(5, last + 1, 5)
+    ]
+    lines += [{"event": "eval", "step": s, "val_loss": 5.0} for s in range(0, last + 1, every)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": last, "final_val_loss": 5.0}))
+
+
+def test_a_run_stopped_early_is_not_finished(bench, tmp_path):
+    write_run(tmp_path / "stopped", last=300)
+    stopped = bench.collect(tmp_path / "stopped", steps=1000)
+    assert stopped["last_step"] == 300 and not stopped["finished"]
+    assert stopped["train_loss_last_10pct"] is None
+    write_run(tmp_path / "done", last=1000)
+    done = bench.collect(tmp_path / "done", steps=1000)
+    assert done["finished"] and done["train_loss_last_10pct"] == 5.0

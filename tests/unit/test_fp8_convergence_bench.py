@@ -62,3 +62,19 @@ def test_a_run_stopped_early_is_not_finished(bench, tmp_path):
     write_run(tmp_path / "done", last=1000)
     done = bench.collect(tmp_path / "done", steps=1000)
     assert done["finished"] and done["train_loss_last_10pct"] == 5.0
+
+
+def test_collect_without_bf16_reports_no_noise_floor(bench, tmp_path, capsys):
+    """A BF16 repeat collected on its own (its BF16 run still going) has nothing to drift from:
+    the summary says so instead of failing, and reports a floor once BF16 is there."""
+    write_run(tmp_path / "bf16-refops", last=1000)
+    common = ["--collect", "--run-root", str(tmp_path), "--plot", str(tmp_path / "p.png")]
+    bench.main([*common, "--recipes", "bf16-refops", "--json", str(tmp_path / "alone.json")])
+    alone = json.loads((tmp_path / "alone.json").read_text())
+    assert alone["bf16_noise_floor_pct"] is None and alone["bf16_repeat_final_drift_pct"] is None
+    assert "BF16 repeat" not in capsys.readouterr().out
+    write_run(tmp_path / "bf16", last=1000)
+    bench.main([*common, "--recipes", "bf16,bf16-refops", "--json", str(tmp_path / "pair.json")])
+    pair = json.loads((tmp_path / "pair.json").read_text())
+    assert pair["bf16_noise_floor_pct"] == 0.0 and pair["bf16_repeat_final_drift_pct"] == 0.0
+    assert "the BF16 repeat (rounding points only) ends 0.00%" in capsys.readouterr().out

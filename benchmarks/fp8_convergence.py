@@ -32,14 +32,18 @@ the arithmetic. With the trainer's default (`skip`), the 1000-step runs of seed 
 7 (delayed) to 29 (bf16-refops) updates each, at different steps per recipe. The JSON counts
 each run's skipped updates.
 
-`--warmup-steps` / `--lr` change the job's learning-rate warmup (30 steps) and peak (3e-3) for
-every contender alike. With the job's 30-step warmup, two BF16 runs of one seed that round a few
-operations differently can part near step 20 -- the loss jumps in one of them while the learning
-rate climbs past 2e-3 -- and keep that offset (2.8% at step 1000 for seed 4321), so one end point
-says little about the arithmetic. With `--warmup-steps 100` that seed's BF16 pair tracked
-through the warmup and ended 0.58% apart. `--stop-at N` stops every run at step N (`train.stop_at_step`:
-the schedule still plans `--steps`), and a later call without it continues them: a short look at
-whether two runs track each other, extended only if they do.
+The learning-rate schedule is the default job's stretched to `--steps`: the job warms up over
+30 of its 300 steps, so 1000 steps warm up over 100 (cosine decay already spans `--steps`).
+`--warmup-steps` / `--lr` override the warmup and the peak (3e-3) for every contender alike.
+Until 2026-12-01 the benchmark kept the job's 30 steps, and that made it unable to resolve its
+own target: two BF16 runs of one seed that round a few operations differently can part near
+step 20 -- the loss jumps in one of them while the learning rate climbs past 2e-3 -- and keep
+that offset (2.8% at step 1000 for seed 4321), so one end point said little about the
+arithmetic. With the 100-step warmup that seed's BF16 pair tracked through the warmup and ended
+0.58% apart, and BF16 itself ended 2.9% lower. `--warmup-steps 30` repeats the older runs; the
+JSON records the schedule, and `--combine` refuses to mix schedules. `--stop-at N` stops every
+run at step N (`train.stop_at_step`: the schedule still plans `--steps`), and a later call without
+it continues them: a short look at whether two runs track each other, extended only if they do.
 
 Runs go to `--run-root/<recipe>`. A run that finished `--steps` is reused, not rerun; one that
 stopped part way resumes from its newest checkpoint (saved every `--checkpoint-every` steps), so a
@@ -137,13 +141,23 @@ def train_command(recipe: str, run_dir: Path, args: argparse.Namespace) -> list[
         cmd += ["--train.micro_batch_size", str(args.micro_batch)]
     if args.seq_len:
         cmd += ["--data.seq_len", str(args.seq_len)]
-    if args.warmup_steps is not None:
-        cmd += ["--train.warmup_steps", str(args.warmup_steps)]
+    cmd += ["--train.warmup_steps", str(warmup_steps(args))]
     if args.lr is not None:
         cmd += ["--train.lr", str(args.lr)]
     if args.stop_at:
         cmd += ["--train.stop_at_step", str(args.stop_at)]
     return cmd
+
+
+def warmup_steps(args: argparse.Namespace) -> int:
+    """`--warmup-steps`, or the default job's warmup stretched to `--steps` (module docstring):
+    the job warms up over 30 of its 300 steps, so 1000 steps warm up over 100."""
+    if args.warmup_steps is not None:
+        return args.warmup_steps
+    from hyperloom.config import JobConfig
+
+    train = JobConfig().train
+    return round(train.warmup_steps * args.steps / train.steps)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,9 +166,9 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: getattr(args, k) for k in keys}
     if args.qk_norm:  # only when set, so run dirs from before the flag existed stay reusable
         out["qk_norm"] = True
-    for key in ("warmup_steps", "lr"):  # likewise; --stop-at is no setting: a run goes on
-        if getattr(args, key) is not None:
-            out[key] = getattr(args, key)
+    out["warmup_steps"] = warmup_steps(args)
+    if args.lr is not None:  # likewise; --stop-at is no setting: a run goes on
+        out["lr"] = args.lr
     return out
 
 
@@ -316,17 +330,26 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(
-        f"{out['model']} Llama, {out['steps']} steps, {out['tokens_per_step']} tokens/step "
+        f"{out['model']} Llama, {out['steps']} steps (warmup {out.get('warmup_steps')}), "
+        f"{out['tokens_per_step']} tokens/step "
         f"(micro-batch {out['micro_batch']} x seq {out['seq_len']}), seed {out['seed']}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+# the schedule of the JSONs written before the JSON recorded it: the job's warmup and peak then
+RECORDED_LATER = {"warmup_steps": 30, "lr": 3e-3}
+
+
 def combine(paths: list[Path], out_path: Path, tolerance: float) -> dict[str, Any]:
     """Per recipe over seeds (module docstring); the seeds' runs must share every setting."""
     parts = [json.loads(p.read_text()) for p in paths]
-    keys = ("model", "steps", "micro_batch", "seq_len", "eval_batches", "on_anomaly")
+    for part in parts:
+        for key, value in RECORDED_LATER.items():
+            part.setdefault(key, value)
+    keys = ("model", "steps", "warmup_steps", "lr", "micro_batch", "seq_len", "eval_batches")
+    keys += ("on_anomaly",)
     for key in keys:
         if len({json.dumps(part.get(key)) for part in parts}) > 1:
             raise SystemExit(f"--combine: the runs differ in {key}; only --seed may differ")
@@ -355,7 +378,10 @@ def combine(paths: list[Path], out_path: Path, tolerance: float) -> dict[str, An
         for r, v in out["recipes"].items()
         if r in JUDGED
     }
-    print(f"{len(seeds)} seeds {seeds}, {out['steps']} steps, {out['tokens_per_step']} tokens/step")
+    print(
+        f"{len(seeds)} seeds {seeds}, {out['steps']} steps (warmup {out['warmup_steps']}, "
+        f"lr {out['lr']:g}), {out['tokens_per_step']} tokens/step"
+    )
     print(f"{'recipe':<11}" + "".join(f"{'seed ' + str(s):>16}" for s in seeds) + f"{'mean':>10}")
     for r, v in out["recipes"].items():
         cells = "".join(
@@ -391,7 +417,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the training guard's action on a loss/grad spike (module docstring)",
     )
     ap.add_argument(
-        "--warmup-steps", type=int, help="train.warmup_steps (default: the job's; docstring)"
+        "--warmup-steps",
+        type=int,
+        help="train.warmup_steps (default: the job's, stretched to --steps; docstring)",
     )
     ap.add_argument("--lr", type=float, help="train.lr, the peak learning rate (default: job's)")
     stop = "stop every run at this step (train.stop_at_step); a later call without it goes on"
@@ -433,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, Any] = {
         "model": job.model.preset + ("+qk_norm" if args.qk_norm else ""),
         "steps": args.steps,
+        "warmup_steps": warmup_steps(args),
+        "lr": job.train.lr if args.lr is None else args.lr,
         "seed": args.seed,
         "on_anomaly": args.on_anomaly,
         "micro_batch": micro_batch,
@@ -493,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     out["seconds_this_invocation"] = time.perf_counter() - start
 
     print(
-        f"{out['model']} Llama, {args.steps} steps, micro-batch {micro_batch} x seq {seq_len} = "
+        f"{out['model']} Llama, {args.steps} steps (warmup {out['warmup_steps']}, lr "
+        f"{out['lr']:g}), micro-batch {micro_batch} x seq {seq_len} = "
         f"{out['tokens_per_step']} tokens/step (default job: {out['default_tokens_per_step']})"
     )
     print(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 BENCHMARK = "fp8_convergence"  # the conftest `bench` fixture imports it
 
 
@@ -27,20 +29,23 @@ def test_schedule_flags_reach_every_contender(bench, tmp_path):
     assert {"*.wq", "*.wk"} <= set(json.loads(flag(qk, "--precision.fp8_keep")))
     plain = bench.train_command("bf16", tmp_path / "bf16", bench.parse([]))
     assert flag(plain, "--precision.fp8") == "none"
-    for name in ("--train.warmup_steps", "--train.lr", "--train.stop_at_step"):
-        assert name not in plain  # the job's own schedule
+    for name in ("--train.lr", "--train.stop_at_step"):
+        assert name not in plain  # the job's own peak; no stop
+    # the job's warmup (30 of 300 steps) stretched to the benchmark's steps
+    assert flag(plain, "--train.warmup_steps") == "100"
+    short = bench.train_command("bf16", tmp_path / "short", bench.parse(["--steps", "600"]))
+    assert flag(short, "--train.warmup_steps") == "60"
 
 
-def test_settings_name_the_schedule_only_when_changed(bench):
+def test_settings_name_the_schedule(bench):
     base = bench.settings(bench.parse([]))
-    assert "warmup_steps" not in base and "lr" not in base  # older run dirs stay reusable
-    changed = bench.settings(bench.parse(["--warmup-steps", "100", "--lr", "0.002"]))
-    assert changed["warmup_steps"] == 100 and changed["lr"] == 0.002
+    assert base["warmup_steps"] == 100 and "lr" not in base  # lr: older run dirs stay reusable
+    changed = bench.settings(bench.parse(["--warmup-steps", "30", "--lr", "0.002"]))
+    assert changed["warmup_steps"] == 30 and changed["lr"] == 0.002
+    # the stretched default and the same warmup asked for are one run
+    assert bench.settings(bench.parse(["--warmup-steps", "100"])) == base
     # stopping early is no setting: the same run goes on later without it
-    assert bench.settings(bench.parse(["--warmup-steps", "100", "--stop-at", "300"])) == {
-        **base,
-        "warmup_steps": 100,
-    }
+    assert bench.settings(bench.parse(["--stop-at", "300"])) == base
 
 
 def write_run(run_dir, last: int, every: int = 100) -> None:
@@ -78,3 +83,29 @@ def test_collect_without_bf16_reports_no_noise_floor(bench, tmp_path, capsys):
     pair = json.loads((tmp_path / "pair.json").read_text())
     assert pair["bf16_noise_floor_pct"] == 0.0 and pair["bf16_repeat_final_drift_pct"] == 0.0
     assert "the BF16 repeat (rounding points only) ends 0.00%" in capsys.readouterr().out
+
+
+def test_combine_refuses_to_mix_schedules(bench, tmp_path, capsys):
+    """The collected JSON records the warmup and peak it ran; seeds run under other schedules
+    are not averaged (a JSON from before the record ran the job's 30 steps and 3e-3)."""
+    for name in ("bf16", "blockwise"):
+        write_run(tmp_path / name, last=1000)
+    common = ["--collect", "--run-root", str(tmp_path), "--recipes", "bf16,blockwise"]
+    paths = {}
+    for seed, extra in ((1, []), (2, []), (3, ["--warmup-steps", "30"])):
+        paths[seed] = tmp_path / f"s{seed}.json"
+        argv = [*common, *extra, "--seed", str(seed), "--json", str(paths[seed])]
+        bench.main([*argv, "--plot", str(tmp_path / f"s{seed}.png")])
+    recorded = json.loads(paths[1].read_text())
+    assert (recorded["warmup_steps"], recorded["lr"]) == (100, 3e-3)
+    both = bench.combine([paths[1], paths[2]], tmp_path / "ok.json", 0.5)
+    assert both["warmup_steps"] == 100 and both["verdict"]["blockwise"]["within"]
+    with pytest.raises(SystemExit, match="differ in warmup_steps"):
+        bench.combine([paths[1], paths[3]], tmp_path / "mixed.json", 0.5)
+    older = json.loads(paths[3].read_text())
+    del older["warmup_steps"], older["lr"]  # as written before the schedule was recorded
+    paths[4] = tmp_path / "older.json"
+    paths[4].write_text(json.dumps({**older, "seed": 4}))
+    assert bench.combine([paths[3], paths[4]], tmp_path / "w30.json", 0.5)["warmup_steps"] == 30
+    with pytest.raises(SystemExit, match="differ in warmup_steps"):
+        bench.combine([paths[1], paths[4]], tmp_path / "mixed2.json", 0.5)

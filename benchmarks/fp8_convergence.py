@@ -348,8 +348,8 @@ def combine(paths: list[Path], out_path: Path, tolerance: float) -> dict[str, An
     for part in parts:
         for key, value in RECORDED_LATER.items():
             part.setdefault(key, value)
-    keys = ("model", "steps", "warmup_steps", "lr", "micro_batch", "seq_len", "eval_batches")
-    keys += ("on_anomaly",)
+    keys = ("model", "steps", "warmup_steps", "lr", "micro_batch", "seq_len", "eval_batches",
+            "on_anomaly")  # fmt: skip
     for key in keys:
         if len({json.dumps(part.get(key)) for part in parts}) > 1:
             raise SystemExit(f"--combine: the runs differ in {key}; only --seed may differ")

@@ -85,7 +85,7 @@ def test_collect_without_bf16_reports_no_noise_floor(bench, tmp_path, capsys):
     assert "the BF16 repeat (rounding points only) ends 0.00%" in capsys.readouterr().out
 
 
-def test_combine_refuses_to_mix_schedules(bench, tmp_path, capsys):
+def test_combine_refuses_to_mix_schedules(bench, tmp_path):
     """The collected JSON records the warmup and peak it ran; seeds run under other schedules
     are not averaged (a JSON from before the record ran the job's 30 steps and 3e-3)."""
     for name in ("bf16", "blockwise"):

@@ -37,9 +37,8 @@ by dp gives exactly the gradient of the one-process loss over the global batch
 global gradient norm the expert weights are disjoint over ep, like tensor-parallel shards are
 over tp.
 
-Checkpoints stay layout-free: an expert weight carries `shard_spec = (0, ep_rank, ep)` and
-`shard_group = "ep"`, so state gathering concatenates the ep ranks' experts into the whole
-(E, out, in) tensor and loading slices it back (`parallel.state`). Delayed FP8 scaling's
+Checkpoints stay layout-free: an expert weight carries `Shard(0, ep_rank, ep, over="ep")`,
+so state gathering concatenates the ep ranks' experts into the whole (E, out, in) tensor and loading slices it back (`parallel.state`). Delayed FP8 scaling's
 per-expert histories (E / ep, len, 9) take the same road in the FP8 state a checkpoint keeps:
 `fp8_state_dict` gathers them whole over ep (`fp8_whole`), loading takes this rank's experts'
 rows (`fp8_piece`).
@@ -53,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperloom.models.deepseek.moe import Experts, MoE
+from hyperloom.models.experts import Experts
+from hyperloom.models.shard import Shard, set_shard
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.mesh import all_reduce_coalesced
 
@@ -104,8 +104,7 @@ class ExpertParallelExperts(Experts):
         with torch.device(experts.w1.device):  # meta: a 671B model's experts allocate nothing
             super().__init__(n_experts // ep, dim, hidden)
         for p in self.parameters():
-            p.shard_spec = (0, ep_rank, ep)  # this rank's experts: a slice along dim 0
-            p.shard_group = "ep"
+            set_shard(p, Shard(0, ep_rank, ep, over="ep"))  # this rank's experts
         self.group, self.ep, self.ep_rank, self.n_local = group, ep, ep_rank, n_experts // ep
         self.dispatcher = dispatcher
         self.grouped_mm, self.ops = experts.grouped_mm, experts.ops
@@ -203,13 +202,16 @@ def apply_expert_parallel(
     dispatcher: str,
     partial: bool = False,
 ) -> ExpertParallelism:
-    """Swap every MoE layer's experts for this rank's E / ep of them (model on meta).
-    `partial`: the model is a pipeline chunk, which may hold no MoE layer."""
+    """Swap every expert bank (`models.experts.Experts`) for this rank's E / ep of its
+    experts (model on meta). `partial`: the model is a pipeline chunk, which may hold no MoE
+    layer."""
     names = []
-    for path, module in model.named_modules():
-        if isinstance(module, MoE):
-            module.experts = ExpertParallelExperts(module.experts, group, ep_rank, ep, dispatcher)
-            names.extend(f"{path}.experts.{n}" for n, _ in module.experts.named_parameters())
+    banks = [(path, m) for path, m in model.named_modules() if isinstance(m, Experts)]
+    for path, bank in banks:
+        local = ExpertParallelExperts(bank, group, ep_rank, ep, dispatcher)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, local)
+        names.extend(f"{path}.{n}" for n, _ in local.named_parameters())
     if not names and not partial:
         raise ValueError("parallel.ep > 1 needs a Mixture-of-Experts model (no MoE layer found)")
     return ExpertParallelism(group, data_group, dp, names)

@@ -16,30 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hyperloom.parallel.parallelize import ParallelModel
+from hyperloom.models.shard import Shard, shard_of
+from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 
 
-def _gather_tp(t: torch.Tensor, spec, group) -> torch.Tensor:
-    if spec is None or group is None:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=spec[0])
-
-
-def _full(t: torch.Tensor, spec, group) -> torch.Tensor:
-    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather over dp first
-        t = t.full_tensor()
-    return _gather_tp(t.detach(), spec, group)
-
-
-def _place(full: torch.Tensor, like: torch.Tensor, spec) -> torch.Tensor:
+def _place(full: torch.Tensor, like: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     """This rank's piece of `full`, shaped and placed like `like`."""
-    piece = full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]]
+    piece = full if shard is None else shard.piece(full)
     if hasattr(like, "device_mesh"):  # DTensor
         from torch.distributed.tensor import distribute_tensor
 
@@ -56,12 +42,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def full_model_state(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """Every parameter whole, on CPU (a collective: call on every rank)."""
-    return pm.gather_state(
-        {
-            name: _full(p, getattr(p, "shard_spec", None), pm.shard_group(p)).cpu()
-            for name, p in pm.state_params()
-        }
-    )
+    return pm.gather_state({name: pm.whole(p, p).cpu() for name, p in pm.state_params()})
 
 
 @torch.no_grad()
@@ -77,16 +58,14 @@ def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> 
             f"unexpected {sorted(unexpected)[:5]}"
         )
     for name, p in params:
-        spec = getattr(p, "shard_spec", None)
-        full_shape = list(p.shape)
-        if spec is not None:
-            full_shape[spec[0]] *= spec[2]
+        shard = shard_of(p)
+        full_shape = list(p.shape) if shard is None else shard.whole_shape(p.shape)
         if list(state[name].shape) != full_shape:
             raise ValueError(
                 f"{name}: checkpoint has shape {tuple(state[name].shape)}, model needs "
                 f"{tuple(full_shape)}"
             )
-        _copy_into(p, _place(state[name], p, spec))
+        _copy_into(p, _place(state[name], p, shard))
 
 
 def _names(pm: ParallelModel) -> dict[int, tuple[str, nn.Parameter]]:
@@ -108,10 +87,8 @@ def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
         name, param = by_id[id(p)]
         if id(p) not in reported:  # another copy of this parameter reports it
             continue
-        spec = getattr(param, "shard_spec", None)
         out[name] = {
-            k: (_full(v, spec, pm.shard_group(param)).cpu() if v.dim() > 0 else _local(v).cpu())
-            for k, v in st.items()
+            k: (pm.whole(v, param).cpu() if v.dim() > 0 else _local(v).cpu()) for k, v in st.items()
         }
     return {"state": pm.gather_state(out)}
 
@@ -130,9 +107,9 @@ def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> 
             name, param = by_id[id(p)]
             if name not in state:
                 raise KeyError(f"optimizer state has no entry for {name}")
-            spec = getattr(param, "shard_spec", None)
+            shard = shard_of(param)
             per_param[p] = {
-                k: v if v.dim() == 0 else _place(v, p, spec) for k, v in state[name].items()
+                k: v if v.dim() == 0 else _place(v, p, shard) for k, v in state[name].items()
             }
         opt.load_state_by_param(per_param)
         return
@@ -141,14 +118,14 @@ def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> 
             name, param = by_id[id(p)]
             if name not in state:
                 raise KeyError(f"optimizer state has no entry for {name}")
-            spec = getattr(param, "shard_spec", None)
+            shard = shard_of(param)
             entry = {}
             for k, v in state[name].items():
                 if v.dim() == 0:  # Adam's step counter: on the device for fused kernels
                     on_device = group.get("fused") or group.get("capturable")
                     entry[k] = v.clone().to(p.device) if on_device else v.clone()
                 else:
-                    entry[k] = _place(v, p, spec)
+                    entry[k] = _place(v, p, shard)
             opt.state[p] = entry
 
 

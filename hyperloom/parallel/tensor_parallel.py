@@ -22,9 +22,30 @@ three all-reduces of (batch, seq) scalars: the full (batch, seq, vocab) logits n
 one rank. With the fused cross-entropy (`VocabParallelHead.loss`), not even this rank's
 (batch, seq, vocab / tp) slice does: the engine's chunked `linear_cross_entropy` computes it
 a chunk of tokens at a time and calls back here for the two per-chunk all-reduces.
+
+A model family describes tensor parallelism as data — a plan mapping module paths (with `*`
+for a layer index) to a style — and `apply_tensor_parallel` (the recipe's tensor slot) knows
+what each style means:
+
+- "colwise" / "rowwise": column/row-parallel linears;
+- "tp_input": the block's input is made whole on the group once (all-gather under sequence
+  parallelism), for all the column-parallel linears inside it;
+- "vocab_embedding" / "vocab_head": vocabulary-parallel embedding and output head;
+- "sp_norm": a norm that runs on a sequence slice under sequence parallelism, so its weight
+  gradient must be summed over the tensor-parallel group;
+- "colwise_tp_input": a column-parallel linear that makes its own input whole (MLA's wq
+  without q_lora, a block whose other inputs need no sum);
+- "tp_output_grad": a replicated module whose output feeds only this rank's shards (MLA's
+  low-rank down-projections): its output gradient is summed over the group before its
+  backward, so its weight and input gradients come out whole on every rank;
+- "tp_partial_grad": a replicated module whose output feeds only this rank's heads and whose
+  output gradient is not summed (MLA's latent norms): each rank's weight gradient is a
+  partial sum, summed over the group after backward.
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -34,6 +55,7 @@ from torch import nn
 from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_linear
 from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling
 from hyperloom.engine.ops import linear_cross_entropy
+from hyperloom.models.shard import Shard, set_shard
 
 SEQ_DIM = 1
 
@@ -150,8 +172,7 @@ def _shard_param(full_shape: tuple[int, ...], dim: int, group, like: torch.Tenso
     shape = list(full_shape)
     shape[dim] //= parts
     p = nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device))
-    # Read by Llama.init_weights (draw the full tensor, keep this slice) and by checkpoints.
-    p.shard_spec = (dim, index, parts)
+    set_shard(p, Shard(dim, index, parts))
     return p
 
 
@@ -373,3 +394,77 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     vocab_start = _rank(group) * logits.shape[-1]
     losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), group, vocab_start)
     return losses.mean()
+
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "tp_input",
+    "colwise_tp_input",
+    "tp_output_grad",
+    "tp_partial_grad",
+    "vocab_embedding",
+    "vocab_head",
+    "sp_norm",
+)
+
+
+def _modules_matching(model: nn.Module, pattern: str) -> list[str]:
+    return [name for name, _ in model.named_modules() if fnmatch.fnmatchcase(name, pattern)]
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    plan: dict[str, str],
+    group,
+    sequence_parallel: bool,
+    partial: bool = False,
+) -> list[str]:
+    """Swap in the plan's parallel modules (model may be on the meta device).
+
+    `partial`: the model is a pipeline chunk, so plan entries may match nothing (a middle
+    chunk has no embedding and no head). Returns the names of the parameters whose gradients
+    must be summed over the group after backward (norm weights under sequence parallelism).
+    """
+    sp_params: list[str] = []
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"unknown tensor-parallel style {style!r} for {pattern!r}")
+        paths = _modules_matching(model, pattern)
+        tied_head = style == "vocab_head" and getattr(model, pattern, 1) is None
+        if not paths and not tied_head and not partial:
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
+        if tied_head:  # tied embeddings: the head borrows them
+            emb = next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
+            if emb is None:  # a pipeline chunk without the embedding has no head either
+                continue
+            _set_submodule(model, pattern, VocabParallelHead(emb, group, sequence_parallel, True))
+            continue
+        for path in paths:
+            old = model.get_submodule(path)
+            if style == "colwise":
+                _set_submodule(model, path, ColumnParallelLinear(old, group))
+            elif style == "rowwise":
+                _set_submodule(model, path, RowParallelLinear(old, group, sequence_parallel))
+            elif style == "vocab_embedding":
+                new = VocabParallelEmbedding(old, group, sequence_parallel)
+                _set_submodule(model, path, new)
+            elif style == "vocab_head":
+                new = VocabParallelHead(old, group, sequence_parallel, tied=False)
+                _set_submodule(model, path, new)
+            elif style == "tp_input":
+                prepare_tp_input(old, group, sequence_parallel)
+            elif style == "colwise_tp_input":
+                new = ColumnParallelLinear(old, group)
+                prepare_tp_input(new, group, sequence_parallel)
+                _set_submodule(model, path, new)
+            elif style == "tp_output_grad":
+                prepare_tp_output_grad(old, group)
+            elif style == "tp_partial_grad" or (style == "sp_norm" and sequence_parallel):
+                sp_params.extend(f"{path}.{n}" for n, _ in old.named_parameters())
+    return sp_params

@@ -53,6 +53,7 @@ from torch import nn
 
 from hyperloom.accelerator import sum_of_squares
 from hyperloom.config import TrainConfig
+from hyperloom.models.shard import shard_of
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class ZeroOneAdamW:
             offset += n
         self.decays = [self.params[c.index].ndim >= 2 for c in self.pieces]  # matrices only
         counts = [counted is None or counted(self.params[c.index]) for c in self.pieces]
-        tp = [hasattr(self.params[c.index], "shard_spec") for c in self.pieces]
+        tp = [shard_of(self.params[c.index]) is not None for c in self.pieces]
         # for the global grad norm: tp shards (summed over tp) and replicated, counted pieces
         self.norm_sharded = [c and t for c, t in zip(counts, tp, strict=True)]
         self.norm_replicated = [c and not t for c, t in zip(counts, tp, strict=True)]

@@ -52,7 +52,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.config import JobConfig, pipeline_microbatches
-from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.fp8.convert import (
     fp8_buffers,
     fp8_state_dict,
@@ -60,15 +59,10 @@ from hyperloom.engine.fp8.convert import (
     load_fp8_state_dict,
 )
 from hyperloom.models.registry import build_model, family
-from hyperloom.parallel import apply_fp8
-from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
+from hyperloom.parallel.expert_parallel import ExpertParallelism
+from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.mesh import ParallelMesh, all_reduce_coalesced, all_reduce_scaling_state
-from hyperloom.parallel.parallelize import (
-    ParallelModel,
-    apply_tensor_parallel,
-    restore_shard_attributes,
-    shard_attributes,
-)
+from hyperloom.parallel.parallelize import materialize, parallelize, select_ops
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.pipeline.comm import add_communication
 from hyperloom.pipeline.executor import PipelineExecutor
@@ -107,6 +101,11 @@ class PipelineChunks(nn.Module):
         for chunk in self.chunks.values():
             chunk.use_ops(impls)
         return self
+
+    def init_weights(self, seed: int) -> None:
+        """Every chunk from the single-device init stream (names are global)."""
+        for chunk in self.chunks.values():
+            chunk.init_weights(seed)
 
     def after_optimizer_step(self, group=None) -> dict[str, float]:
         """Each chunk's balancing step (MoE models; see `DeepSeekV3.after_optimizer_step`),
@@ -217,19 +216,6 @@ class PipelineModel(ParallelModel):
 
     def sync_context(self, last_micro_batch: bool):
         return contextlib.nullcontext()  # nothing is reduced during backward under pp
-
-    def make_optimizer(self, cfg):
-        if self.zero == 1 and self.mesh.size("dp") > 1:
-            counted = {id(p) for _, p in self.owned}
-            return ZeroOneAdamW(
-                self.inner,
-                cfg,
-                self.mesh.group("dp"),
-                self.tp_group,
-                counted=lambda p: id(p) in counted,
-                extra_norm_group=self.mesh.group("pp"),
-            )
-        return super().make_optimizer(cfg)
 
     def reduce_and_clip(self, optimizer, max_norm: float) -> torch.Tensor:
         self.sync_fp8_copies()
@@ -362,7 +348,7 @@ def build_pipeline(
     """This rank's chunks of the job's model, initialised, with the executor that runs them."""
     par = cfg.parallel
     pp, pp_rank = mesh.size("pp"), mesh.rank("pp")
-    tp, tp_group = mesh.size("tp"), mesh.group("tp")
+    tp = mesh.size("tp")
     m = pipeline_microbatches(par)
     schedule = add_communication(build_schedule(par.pp_schedule, pp, m, par.vpp))
     chunk_of = schedule.replica_of  # stage -> chunk (DualPipe: both copies, one chunk)
@@ -384,28 +370,16 @@ def build_pipeline(
     mine = sorted({chunk_of[s] for s in schedule.stages_of(pp_rank)})
     chunks, sp_params, expert_names = {}, [], []
     ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
-    for c in mine:
+    for c in mine:  # the parallelize recipe, chunk by chunk
         chunk = cut(c)
-        apply_fp8(chunk, cfg)  # before tp, as `parallelize` does
-        if tp > 1:
-            sp = apply_tensor_parallel(
-                chunk, fam.tp_plan(cfg.model), tp_group, par.sp, partial=True
-            )
-            sp_params += [f"chunks.{c}.{n}" for n in sp]
-        if ep_groups is not None:
-            ep = apply_expert_parallel(
-                chunk, *ep_groups, mesh.rank("dp") % par.ep, par.ep, mesh.size("dp"),
-                par.ep_dispatcher, partial=True,
-            )  # fmt: skip
-            expert_names += [f"chunks.{c}.{n}" for n in ep.names]
+        sharding = parallelize(chunk, cfg, mesh, fam.tp_plan(cfg.model), partial=True)
+        sp_params += [f"chunks.{c}.{n}" for n in sharding.sp_params]
+        if sharding.experts is not None:
+            expert_names += [f"chunks.{c}.{n}" for n in sharding.experts.names]
         chunks[c] = chunk
     model = PipelineChunks(chunks, mesh.group("pp") if cfg.model.n_routed_experts else None)
-    attrs = shard_attributes(model)
-    model.to_empty(device=device)
-    restore_shard_attributes(model, attrs)
-    for chunk in model.chunks.values():
-        chunk.init_weights(cfg.train.seed)
-    reset_fp8_state(model)  # to_empty left the delayed-scaling buffers uninitialised
+    materialize(model, device, cfg.train.seed)
+    select_ops(model, cfg)
 
     copies: dict[str, list[nn.Parameter]] = defaultdict(list)
     owned = []

@@ -8,9 +8,9 @@ needs room for the whole model.
 **What each rank hands DCP.** A flat dict `model/<name>` and `optimizer/<name>/<key>` of
 tensors that describe *the global tensor* and this rank's piece of it:
 
-- a tensor-parallel shard (`p.shard_spec = (dim, index, parts)`) becomes a DTensor on the
+- a tensor-parallel shard (`models.shard.Shard(dim, index, parts)`) becomes a DTensor on the
   tensor-parallel sub-mesh with placement `Shard(dim)` (`DTensor.from_local`, no copy); an
-  expert-parallel one (`p.shard_group == "ep"`) the same on a mesh over the ep group;
+  expert-parallel one (`Shard.over == "ep"`) the same on a mesh over the ep group;
 - an FSDP2 parameter (zero 3) is a DTensor over dp already and goes in as it is (with tp as
   well, its dp shards are gathered first: the pair of placements is FSDP's strided one);
 - a replicated tensor goes in plain; DCP's planner picks one of its replicas to write it;
@@ -71,7 +71,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from hyperloom.parallel.parallelize import ParallelModel
+from hyperloom.models.shard import shard_of
+from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.train import checkpoint as ckpt
@@ -102,7 +103,7 @@ class _Layout:
 
     def shard_mesh(self, p: torch.Tensor):
         """The 1-D mesh a sharded parameter is split over: tp, or ep for expert weights."""
-        if getattr(p, "shard_group", "tp") != "ep":
+        if shard_of(p).over != "ep":
             return self.pm.mesh.submesh("tp")
         if self._ep_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
@@ -113,22 +114,22 @@ class _Layout:
 
     def global_view(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (parameter `p` or a moment shaped like it) as DCP should see it."""
-        spec = getattr(p, "shard_spec", None)
+        shard = shard_of(p)
         t = t.detach()
-        if spec is None:
+        if shard is None:
             return t  # replicated, or an FSDP2 DTensor over dp
         if isinstance(t, DTensor):  # FSDP2 x tp: this rank's tp piece, whole over dp
             t = t.full_tensor()
-        return DTensor.from_local(t, self.shard_mesh(p), [Shard(spec[0])], run_check=False)
+        return DTensor.from_local(t, self.shard_mesh(p), [Shard(shard.dim)], run_check=False)
 
     def empty_like(self, p: torch.Tensor) -> torch.Tensor:
         """A load target laid out like `global_view(p)`."""
-        spec = getattr(p, "shard_spec", None)
-        if spec is None:
+        shard = shard_of(p)
+        if shard is None:
             return torch.empty_like(p.detach())
         # p.shape is this rank's tp piece (for an FSDP2 DTensor: its shape over dp).
         local = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        return DTensor.from_local(local, self.shard_mesh(p), [Shard(spec[0])], run_check=False)
+        return DTensor.from_local(local, self.shard_mesh(p), [Shard(shard.dim)], run_check=False)
 
 
 @torch.no_grad()
@@ -182,10 +183,8 @@ def sharded_state(pm: ParallelModel, opt) -> dict[str, torch.Tensor]:
 
 
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    shape, spec = list(p.shape), getattr(p, "shard_spec", None)
-    if spec is not None:
-        shape[spec[0]] *= spec[2]
-    return tuple(shape)
+    shard = shard_of(p)
+    return tuple(p.shape if shard is None else shard.whole_shape(p.shape))
 
 
 def _check_model(copies: dict[str, list[torch.Tensor]], saved: dict, pipelined: bool) -> None:

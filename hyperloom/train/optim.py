@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from hyperloom.config import TrainConfig
+from hyperloom.parallel import ParallelModel
+from hyperloom.parallel.zero1 import ZeroOneAdamW
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -43,7 +45,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return peak + (floor - peak) * progress
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW for the layout: our ZeRO-1 sharded one for zero = 1 with dp > 1, else
+    `adamw` over the rank's parameters."""
+    if pm.zero == 1 and pm.mesh.size("dp") > 1:
+        return ZeroOneAdamW(
+            pm.inner,
+            cfg,
+            pm.mesh.group("dp"),
+            pm.tp_group,
+            counted=pm.norm_counted,
+            extra_norm_group=pm.mesh.group("pp"),
+        )
+    return adamw(pm.inner, cfg)
+
+
+def adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; matrices decay, vectors (norm weights) do not. Fused or foreach when possible."""
     decay, no_decay = [], []
     for p in model.parameters():

@@ -33,10 +33,9 @@ from hyperloom.accelerator import (
 from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
-from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.registry import family
-from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
 from hyperloom.parallel.state import (
     full_model_state,
     full_optimizer_state,
@@ -47,7 +46,7 @@ from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.resilience.sharded import is_sharded, load_sharded_state, sharded_state
 from hyperloom.train import checkpoint as ckpt
-from hyperloom.train.optim import lr_at
+from hyperloom.train.optim import build_optimizer, lr_at
 from hyperloom.train.report import Reporter, write_summary
 
 log = logging.getLogger("hyperloom.train")
@@ -88,13 +87,10 @@ class Trainer:
                 cfg, self.mesh, self.acc.device, lambda: self.acc.autocast(self.dtype)
             )
         else:
-            self.pm = parallelize(cfg, self.mesh, self.acc.device)
+            self.pm = build_parallel_model(cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
-        o = cfg.ops  # which operator implementations the model calls (engine.ops)
-        impls = OpImpls.choose(o.fused, o.compile, o.reference, o.ce_chunk_tokens, o.triton)
-        use_ops(self.model, impls)
-        self.fwd = torch.compile(self.pm.module) if t.compile else self.pm.module
-        self.optimizer = self.pm.make_optimizer(t)
+        self.fwd = self.pm.forward_module
+        self.optimizer = build_optimizer(self.pm, t)
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a
         # layout sees exactly the sequences a single process with dp x the batch would.
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")

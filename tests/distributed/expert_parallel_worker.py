@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
-from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
 from hyperloom.parallel.mesh import ParallelMesh, exit_worker, parse_order
-from hyperloom.parallel.state import _full
+from hyperloom.train.optim import build_optimizer
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 128
 MODEL = ["--model.preset", "moe-tiny", "--model.vocab_size", str(VOCAB), "--model.dim", "64",
@@ -40,7 +40,7 @@ def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -
     `loss_scale` (a power of two): backward from the loss times it, gradients divided by it
     before anything reads them -- the same update, output gradients scaled (see
     fp8_ep_worker.py for why)."""
-    opt = pm.make_optimizer(cfg.train)
+    opt = build_optimizer(pm, cfg.train)
     dp_group = pm.mesh.group("dp")
     out = {"loss": [], "norm": [], "grads": []}
     for step in range(STEPS):
@@ -57,7 +57,7 @@ def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -
             if p.grad is not None:
                 # a copy: DDP's gradients are views of its buckets, refilled every step
                 g = p.grad.detach().clone()
-                grads[name] = _full(g, getattr(p, "shard_spec", None), pm.shard_group(p))
+                grads[name] = pm.whole(g, p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         pm.inner.after_optimizer_step(dp_group)
@@ -106,7 +106,7 @@ def main() -> None:
         mesh = ParallelMesh(
             dict.fromkeys(parse_order(cfg.parallel.order), 1), parse_order(cfg.parallel.order)
         )
-        ref = train(parallelize(cfg, mesh, acc.device), cfg, slice(None), tokens)
+        ref = train(build_parallel_model(cfg, mesh, acc.device), cfg, slice(None), tokens)
     dist.barrier()
     report, ep1 = {}, None
     for ep, dispatcher in LAYOUTS:
@@ -119,7 +119,7 @@ def main() -> None:
             dispatcher,
         ]
         cfg = load_config(None, MODEL + over, world_size=4)
-        pm = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device)
+        pm = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device)
         experts = pm.inner.layers["1"].feed_forward.experts.w1.shape[0]
         rank = pm.mesh.rank("dp")
         got = train(pm, cfg, slice(rank * 2, rank * 2 + 2), tokens)

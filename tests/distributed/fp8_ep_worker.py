@@ -34,7 +34,7 @@ from expert_parallel_worker import (  # torchrun puts this directory on sys.path
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
-from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
 from hyperloom.parallel.mesh import ParallelMesh, exit_worker, parse_order
 
 DENSE = ["*attention*", "w1", "w2", "w3", "*mtp*"]  # leaf names of dense and shared linears
@@ -88,7 +88,7 @@ def main() -> None:
             cfg = load_config(None, options(case), world_size=1)
             order = parse_order(cfg.parallel.order)
             mesh = ParallelMesh(dict.fromkeys(order, 1), order)
-            one = parallelize(cfg, mesh, acc.device)
+            one = build_parallel_model(cfg, mesh, acc.device)
             # Delayed scaling's first step quantizes with unit scales, so the output
             # gradients' size matters there: give one process those each dp rank has.
             scale = 2.0 if case.startswith("delayed") else 1.0
@@ -96,7 +96,7 @@ def main() -> None:
         dist.barrier()
         over = ["--parallel.dp", "2", "--parallel.ep", "2"]
         cfg = load_config(None, options(case) + over, world_size=2)
-        pm = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device)
+        pm = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device)
         experts = pm.inner.layers["1"].feed_forward.experts
         rank = pm.mesh.rank("dp")
         got = train(pm, cfg, slice(rank * 4, rank * 4 + 4), tokens)

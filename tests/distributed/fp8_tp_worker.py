@@ -26,8 +26,7 @@ from hyperloom.config import config_from_dict
 from hyperloom.engine.fp8 import convert_to_fp8, fp8_state_dict, recipe_from_name, reset_fp8_state
 from hyperloom.engine.fp8.convert import fp8_modules
 from hyperloom.models.registry import build_model
-from hyperloom.parallel import build_mesh, parallelize
-from hyperloom.parallel.state import _full
+from hyperloom.parallel import build_mesh, build_parallel_model
 
 # Every tensor-parallel shard a whole number of 128-wide blocks (blockwise needs it).
 MODEL = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=128)
@@ -60,7 +59,7 @@ def run_case(case: str, acc) -> dict:
     }
     cfg = config_from_dict(raw, world_size=2)
     mesh = build_mesh(cfg.parallel, acc)
-    pm = parallelize(cfg, mesh, acc.device)
+    pm = build_parallel_model(cfg, mesh, acc.device)
     opt = torch.optim.SGD(pm.inner.parameters(), lr=LR)
 
     ref = reference_model(cfg, acc.device)
@@ -88,7 +87,7 @@ def run_case(case: str, acc) -> dict:
                 if p.grad is None:  # not trained (e.g. DeepSeek's balancing biases)
                     assert ref_grads[name].grad is None, name
                     continue
-                g = _full(p.grad, getattr(p, "shard_spec", None), pm.tp_group)
+                g = pm.whole(p.grad, p)
                 r = ref_grads[name].grad
                 # clamp: delayed scaling's first step (unit scales) may flush a small
                 # gradient to zeros on both sides

@@ -23,7 +23,6 @@ from hyperloom.accelerator import get_accelerator
 from hyperloom.config import config_from_dict
 from hyperloom.models.registry import build_model
 from hyperloom.parallel.mesh import build_mesh, exit_worker, init_distributed
-from hyperloom.parallel.state import _full
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.train.optim import build_optimizer
 
@@ -56,7 +55,7 @@ def run_case(case: str, acc) -> dict:
     cfg = config_from_dict(raw, world_size=pp * tp * dp)
     mesh = build_mesh(cfg.parallel, acc)
     pm = build_pipeline(cfg, mesh, acc.device)
-    opt = pm.make_optimizer(cfg.train)
+    opt = build_optimizer(pm, cfg.train)
     m = pm.micro_batches
 
     ref = build_model(cfg.model)
@@ -87,7 +86,7 @@ def run_case(case: str, acc) -> dict:
             ref_grads = dict(ref.named_parameters())
             worst = torch.zeros(())
             for name, p in pm.local_params():
-                g = _full(p.grad, getattr(p, "shard_spec", None), pm.tp_group)
+                g = pm.whole(p.grad, p)
                 r = ref_grads[name].grad
                 worst = torch.maximum(worst, (g - r).norm() / r.norm())
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
-from hyperloom.parallel import build_mesh, init_distributed, parallelize
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
 from hyperloom.parallel.mesh import exit_worker
 from hyperloom.parallel.state import (
     full_model_state,
@@ -24,6 +24,7 @@ from hyperloom.parallel.state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
+from hyperloom.train.optim import build_optimizer
 
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--model.vocab_size", "256",
@@ -34,8 +35,8 @@ def layout(tp: int, dp: int, zero: int):
     over = ["--parallel.tp", str(tp), "--parallel.dp", str(dp), "--parallel.zero", str(zero)]
     cfg = load_config(None, MODEL + over, world_size=4)
     acc = get_accelerator("cpu")
-    pm = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device)
-    return cfg, pm, pm.make_optimizer(cfg.train)
+    pm = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device)
+    return cfg, pm, build_optimizer(pm, cfg.train)
 
 
 def gather(pm, opt) -> dict:

@@ -27,7 +27,7 @@ def test_dropout_acts_only_in_training_and_zero_draws_nothing(family):
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1], tokens[:, 1:]
     # The first MoE forward probes torch._grouped_mm with random inputs from the global RNG
-    # (moe.grouped_mm_works, cached per process); let that happen before the RNG is watched.
+    # (experts.grouped_mm_works, cached per process); let that happen before the RNG is watched.
     init_model(base, "cpu", seed=0).train()(x, labels=y)
     losses = {}
     for p in (0.0, 0.2):

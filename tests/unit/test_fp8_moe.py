@@ -24,6 +24,7 @@ import dataclasses
 import pytest
 import torch
 
+from hyperloom.config import preset_config
 from hyperloom.engine import ops
 from hyperloom.engine.fp8 import (
     DEFAULT_KEEP,
@@ -37,8 +38,9 @@ from hyperloom.engine.fp8 import (
 )
 from hyperloom.engine.fp8.recipes import observe_empty
 from hyperloom.engine.ops import OpImpls
-from hyperloom.models.deepseek.moe import Experts, Router
-from hyperloom.models.registry import build_model, init_model, preset_config
+from hyperloom.models.deepseek.moe import Router
+from hyperloom.models.experts import Experts
+from hyperloom.models.registry import build_model, init_model
 from hyperloom.parallel.expert_parallel import ExpertParallelExperts
 
 CFG = dataclasses.replace(

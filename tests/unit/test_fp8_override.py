@@ -114,7 +114,7 @@ def test_the_config_switch_reaches_every_fp8_layer():
     from hyperloom.accelerator import get_accelerator
     from hyperloom.config import load_config
     from hyperloom.engine.fp8.convert import fp8_modules
-    from hyperloom.parallel import parallelize
+    from hyperloom.parallel import build_parallel_model
     from hyperloom.parallel.mesh import build_mesh
 
     cfg = load_config(
@@ -126,7 +126,7 @@ def test_the_config_switch_reaches_every_fp8_layer():
         world_size=1,
     )  # fmt: skip
     acc = get_accelerator("cpu")
-    model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+    model = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
     recipes = {m.recipe for _, m in fp8_modules(model)}
     assert recipes == {BlockwiseScaling(override_linear_precision=(False, False, True))}
 
@@ -165,7 +165,7 @@ def test_first_and_last_blocks_stay_high_precision(first, last, fp8_blocks):
 
     from hyperloom.accelerator import get_accelerator
     from hyperloom.engine.fp8.convert import fp8_modules
-    from hyperloom.parallel import parallelize
+    from hyperloom.parallel import build_parallel_model
     from hyperloom.parallel.mesh import build_mesh
 
     cfg = _tiny_fp8_job(
@@ -173,7 +173,7 @@ def test_first_and_last_blocks_stay_high_precision(first, last, fp8_blocks):
         "--precision.fp8_bf16_last_layers", str(last),
     )  # fmt: skip
     acc = get_accelerator("cpu")
-    model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+    model = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
     converted = {int(name.split(".")[1]) for name, _ in fp8_modules(model)}
     assert converted == fp8_blocks
     for i, block in model.layers.items():
@@ -208,7 +208,7 @@ def test_fp8_activation_switch_saves_the_fp8_copy_instead_of_the_input():
     backward lose at least each SwiGLU down-projection's input, which only it saves."""
     from hyperloom.accelerator import get_accelerator
     from hyperloom.engine.fp8.convert import fp8_modules
-    from hyperloom.parallel import parallelize
+    from hyperloom.parallel import build_parallel_model
     from hyperloom.parallel.mesh import build_mesh
 
     acc = get_accelerator("cpu")
@@ -216,7 +216,7 @@ def test_fp8_activation_switch_saves_the_fp8_copy_instead_of_the_input():
     runs = {}
     for on in (False, True):
         cfg = _tiny_fp8_job("--precision.fp8_activation", str(on).lower())
-        model = parallelize(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
+        model = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device).inner
         fp8 = dict(fp8_modules(model))
         assert fp8 and all(m.fp8_activation is on for m in fp8.values())
         saved: dict[int, int] = {}

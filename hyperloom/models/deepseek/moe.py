@@ -13,15 +13,9 @@ among them, so a token's experts live on at most that many nodes. The k weights 
 renormalised to sum to one when `moe_norm_topk` (V3) and multiplied by `moe_route_scale`
 (2.5 for V3, 16 for V2).
 
-**Experts** hold their weights as (experts, out, in) tensors and run as one grouped GEMM over
-tokens sorted by expert (`torch._grouped_mm`, which this PyTorch build has on CPU as well),
-with a per-expert loop as the fallback. Under `precision.fp8` (`convert_to_fp8` calls
-`enable_fp8`) the three expert GEMMs run in FP8 through the engine's grouped linear, each
-expert with its own scales (DeepSeek-V3 §3.3: blockwise 1 x 128 token tiles and 128 x 128
-weight blocks; delayed scaling: one amax history per expert, GEMM and role, as TE's grouped
-linear keeps, in buffers with the expert dimension first so that expert parallelism splits and
-checkpoints gather them like the weights); the router stays float32. The layer is dropless by
-default (every expert takes every token routed to it, as in V3); a capacity factor c caps each
+**Experts** are the family-neutral grouped SwiGLU bank of `hyperloom.models.experts` (one
+grouped GEMM over tokens sorted by expert, FP8 per expert). The layer is dropless by default
+(every expert takes every token routed to it, as in V3); a capacity factor c caps each
 expert at ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard,
 arXiv 2006.16668) and dropping the rest — a dropped assignment simply contributes nothing, the
 shared experts and the residual still carry the token.
@@ -29,7 +23,6 @@ shared experts and the residual still carry the token.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -38,11 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperloom.config import ModelConfig
-from hyperloom.engine import ops
-from hyperloom.engine.fp8 import Recipe
-from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_grouped_linear
-from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
+from hyperloom.models.experts import Experts
 from hyperloom.models.llama.model import FeedForward
 
 
@@ -89,96 +79,6 @@ class Router(nn.Module):
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return Routing(weights * self.route_scale, experts, scores, logits)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: `torch._grouped_mm`'s backward
-    rejects the stride-0 gradients that e.g. `.sum()` produces."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-@functools.cache
-def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward here (probed once per kind)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        # Ones, not random numbers: probing must not move the global RNG (a resumed run's
-        # dropout masks would shift).
-        x = torch.ones(5, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 5], device=device_type, dtype=torch.int32)
-        _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs)).sum().backward()
-        return True
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-class Experts(Fp8State, nn.Module):
-    """E SwiGLU experts, weights (E, out, in); input tokens sorted by expert."""
-
-    GEMMS = ("w1", "w3", "w2")  # delayed scaling: the column blocks of each expert's state
-
-    def __init__(self, n_experts: int, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.grouped_mm: bool | None = None  # None = use it where it works (grouped_mm_works)
-        self.ops = OpImpls()
-        self.recipe: Recipe | None = None  # FP8 GEMMs (enable_fp8)
-        self.fp8_activation = False
-        self.register_buffer("fp8_amax_history", None)  # delayed scaling only (enable_fp8)
-        self.register_buffer("fp8_scale", None)
-
-    def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
-        """Run the expert GEMMs in FP8 with `recipe` (called by `convert_to_fp8`). Delayed
-        scaling keeps one amax history per expert and GEMM for input, weight and
-        grad_output, as TE's grouped linear does: `fp8_amax_history` (E, len, 9) and
-        `fp8_scale` (E, 9), columns (w1, w3, w2) x (input, weight, grad_output), expert
-        first so that expert parallelism splits them like the weights. Every recipe is
-        taken (True)."""
-        self._setup_fp8(recipe, len(self.GEMMS), fp8_activation, self.w1.device, self.w1.shape[0])
-        return True
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, dim) holding counts[e] consecutive rows for expert e -> (N, dim)."""
-        recipe = active_recipe(self.recipe) if self.recipe is not None else None
-        if recipe is not None:
-            sizes = counts.tolist()
-
-            def fp8_mm(a: torch.Tensor, w: torch.Tensor, gemm: int) -> torch.Tensor:
-                states = [self._states(recipe, gemm, e) for e in range(len(sizes))]
-                return fp8_grouped_linear(
-                    a, w, sizes, recipe, states=states, fp8_activation=self.fp8_activation
-                )
-
-            h = ops.swiglu(fp8_mm(x, self.w1, 0), fp8_mm(x, self.w3, 1), self.ops.swiglu)
-            return fp8_mm(h, self.w2, 2)  # (N, dim)
-        use = self.grouped_mm
-        if use is None:
-            use = grouped_mm_works(x.device.type, x.dtype)
-        if use:
-            offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's tokens
-
-            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                out = torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offs)
-                return _ContiguousGrad.apply(out)
-
-            return mm(ops.swiglu(mm(x, self.w1), mm(x, self.w3), self.ops.swiglu), self.w2)
-        outs = []
-        for e, xs in enumerate(x.split(counts.tolist())):
-            if xs.shape[0]:
-                h = ops.swiglu(F.linear(xs, self.w1[e]), F.linear(xs, self.w3[e]), self.ops.swiglu)
-                outs.append(F.linear(h, self.w2[e]))
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
 
 
 class MoE(nn.Module):

@@ -43,6 +43,7 @@ from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
 from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.ops import OpImpls
+from hyperloom.models.shard import shard_of
 
 
 @dataclass
@@ -315,12 +316,10 @@ def draw_normal(p: torch.Tensor, gen: torch.Generator, std: float) -> None:
     every layout start from the weights of the single-device model. Drawn on CPU so the
     device's RNG does not matter.
     """
-    spec = getattr(p, "shard_spec", None)  # (dim, index, parts) or None
-    shape = list(p.shape)
-    if spec is not None:
-        shape[spec[0]] *= spec[2]
+    shard = shard_of(p)
+    shape = list(p.shape) if shard is None else shard.whole_shape(p.shape)
     full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-    p.copy_(full if spec is None else full.chunk(spec[2], dim=spec[0])[spec[1]])
+    p.copy_(full if shard is None else shard.piece(full))
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

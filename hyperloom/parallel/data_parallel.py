@@ -1,0 +1,98 @@
+"""Data parallelism, the last slot of the recipe: the model replicated over dp, its gradients
+averaged.
+
+- zero = 0: PyTorch DDP (bucketed all-reduce overlapped with backward, `no_sync` for gradient
+  accumulation) — well-kept machinery, nothing to gain by rewriting it;
+- zero = 1: the model stays as it is; our ZeRO-1 optimizer (`zero1.py`) reduce-scatters the
+  gradients once per step and keeps FP32 master weights and Adam moments 1/dp per rank;
+- zero = 3: PyTorch FSDP2 (`fully_shard`, per transformer block then the root): parameters,
+  gradients and Adam state sharded over dp, all-gathered per block just in time. FSDP2
+  composes with our tensor-parallel modules (plain modules with plain parameters) and is
+  what torchtitan ships.
+
+Under pipeline parallelism the pipeline reduces over dp itself, after the schedule
+(`pipeline.runtime`): a split backward accumulates weight gradients outside autograd's hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.models.shard import restore_shards, shards_by_name
+from hyperloom.parallel.mesh import ParallelMesh
+
+
+def _reduce_each_gradient(group, bucket):  # DDP rejects the annotations as strings
+    """DDP communication hook: the bucket's mean over dp, one all-reduce per gradient (the
+    gradients are views of the bucket's buffer), as `wrap_data_parallel` explains; returns
+    the future of the reduced buffer."""
+    grads, buffer = bucket.gradients(), bucket.buffer()
+    size = dist.get_world_size(group)
+    torch._foreach_div_(grads, size)  # DDP's own hook divides before it sums, too
+    works = [dist.all_reduce(g, group=group, async_op=True).get_future() for g in grads]
+    return torch.futures.collect_all(works).then(lambda _: buffer)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def wrap_data_parallel(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    zero: int,
+    ignore: list[str] = (),
+    routed: bool = False,
+) -> nn.Module:
+    """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1 or
+    zero = 1 (whose optimizer does the data-parallel reduction). DDP leaves the parameters
+    named in `ignore` alone (expert weights, reduced over their own replicas).
+
+    `routed` (a MoE model) at dp > 2: DDP all-reduces each gradient on its own
+    (`_reduce_each_gradient`) instead of each bucket's flat buffer. DDP rebuilds its buckets
+    once, in the order the first backward made the gradients ready, and a MoE's routing
+    changes that order from step to step; a ring all-reduce over more than two ranks sums an
+    element in an order set by its place in the buffer, so a run resumed from a checkpoint
+    (whose first backward is another step's) summed some gradients in another order than the
+    run that went on: 6e-8 apart a step later, measured. Per gradient, an element's place is
+    its place in its own tensor. Two ranks add a + b whatever the place; dense models keep
+    one order. The cost is one collective per parameter tensor instead of one per 25 MB."""
+    if mesh.size("dp") == 1 or zero == 1:
+        return model
+    if zero == 0:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if ignore:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+        # Gradients as views of the all-reduce buckets: without it the buckets are a second
+        # FP32 copy of every gradient (dp2 on the default model: ~88 MB per rank).
+        ddp = DistributedDataParallel(
+            model,
+            process_group=mesh.group("dp"),
+            broadcast_buffers=False,
+            bucket_cap_mb=25,
+            gradient_as_bucket_view=True,
+        )
+        if routed and mesh.size("dp") > 2:
+            ddp.register_comm_hook(mesh.group("dp"), _reduce_each_gradient)
+        return ddp
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 replaces each parameter with a DTensor one; carry the `Shard` records over so
+    # clipping and checkpoints still know which tensors are tp slices.
+    shards = shards_by_name(model)
+    dp_mesh = mesh.submesh("dp")
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    restore_shards(model, shards)
+    return model

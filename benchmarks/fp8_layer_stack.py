@@ -40,8 +40,9 @@ from rich.console import Console
 from rich.table import Table
 
 from hyperloom.accelerator import Accelerator, get_accelerator
+from hyperloom.config import preset_config
 from hyperloom.engine.fp8 import convert_to_fp8, recipe_from_name
-from hyperloom.models.registry import build_model, preset_config
+from hyperloom.models.registry import build_model
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "fp8_layer_stack.json"
 RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8")

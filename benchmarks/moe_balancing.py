@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from hyperloom.config import DataConfig
+from hyperloom.config import DataConfig, preset_config
 from hyperloom.data import ResumableLoader, build_data
 from hyperloom.engine.ops import OpImpls
-from hyperloom.models.registry import init_model, preset_config
+from hyperloom.models.registry import init_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

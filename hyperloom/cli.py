@@ -212,7 +212,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_model_info(args: argparse.Namespace) -> int:
-    from hyperloom.models.registry import family, preset_config, preset_names
+    from hyperloom.config import preset_config, preset_names
+    from hyperloom.models.registry import family
 
     names = preset_names() if args.name == "all" else [args.name]
     table = Table(title="hyperloom models", title_style="bold")

@@ -1,29 +1,20 @@
-"""Model registry: family name -> model class, accounting and checkpoint adapter; presets.
+"""Model registry: family name -> model class, accounting, parallel plans; building models.
 
-Presets are small TOML tables, one file per family in `models/presets/`; the `tiny` preset
-is the `ModelConfig` defaults themselves so the default job and the preset cannot drift.
+The presets (name -> `ModelConfig`) are config data and live with the config
+(`hyperloom.config.preset_config`); this module maps a config's family to the code.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hyperloom.config import ModelConfig, build_section
+from hyperloom.config import ModelConfig
 
 if TYPE_CHECKING:  # torch is imported where a model is built: loading a config needs none
     import torch
     from torch import nn
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -87,33 +78,6 @@ def family(name: str) -> ModelFamily:
     if name not in _FAMILIES:
         raise KeyError(f"unknown model family '{name}'; known: {', '.join(_FAMILIES)}")
     return _FAMILIES[name]()
-
-
-@functools.cache
-def _presets() -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {"tiny": dataclasses.asdict(ModelConfig())}
-    folder = resources.files("hyperloom.models") / "presets"
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".toml"):
-            for name, values in tomllib.loads(entry.read_text()).items():
-                out[name] = {**values, "preset": name}
-    return out
-
-
-def preset_names() -> list[str]:
-    return list(_presets())
-
-
-def preset_values(name: str) -> dict[str, Any]:
-    """Raw model-section values of a preset; KeyError with the known names if unknown."""
-    presets = _presets()
-    if name not in presets:
-        raise KeyError(f"unknown preset '{name}'; known presets: {', '.join(presets)}")
-    return dict(presets[name])
-
-
-def preset_config(name: str) -> ModelConfig:
-    return build_section(ModelConfig, preset_values(name), "model")
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Module:

@@ -19,14 +19,18 @@ chunk 1, ...), and the backwards walk the same table with the chunk order revers
 warms up with 2(p - r - 1) + (v - 1)p forwards; after that, one forward and one backward
 alternate. The first group's chunk-c forwards on rank 0 reach rank p - 1 just as rank 0 needs
 them for chunk c + 1, which is why groups have exactly p micro-batches. When m is not a
-multiple of p the last group is shorter (Megatron's `get_schedule_table`); the schedule stays
-valid but the closed-form bubble holds only for m % p == 0.
+multiple of p the last group is shorter (Megatron's `get_schedule_table`); `interleaved_order`
+builds that table, but the schedule takes m a multiple of p, for which the closed-form bubble
+holds.
 
-The numbers of m for which each works are enforced by `schedules.build_schedule`.
+The pipeline sizes and numbers of m each generator accepts are one rule,
+`hyperloom.config.schedule_shape_problems`, which the job's validation reports and
+`require_shape` raises here (the generators and `schedules.build_schedule` call it).
 """
 
 from __future__ import annotations
 
+from hyperloom.config import schedule_shape_problems
 from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError, standard_placement
 
 
@@ -43,14 +47,17 @@ def _standard(name: str, pp: int, vpp: int, m: int, actions: list[list[Action]])
     )
 
 
-def _check(pp: int, m: int) -> None:
-    if pp < 1 or m < 1:
-        raise ScheduleError(f"need pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+def require_shape(kind: str, pp: int, m: int, vpp: int = 1) -> None:
+    """Raise `ScheduleError` saying which precondition of schedule `kind` pp ranks, m
+    micro-batches and vpp chunks per rank break (`hyperloom.config.schedule_shape_problems`)."""
+    problems = schedule_shape_problems(kind, pp, m, vpp)
+    if problems:
+        raise ScheduleError(problems[0])
 
 
 def gpipe(pp: int, m: int) -> Schedule:
     """All forwards, then all full backwards (in micro-batch order, as torch.pipelining)."""
-    _check(pp, m)
+    require_shape("gpipe", pp, m)
     acts = [
         [Action.f(r, i) for i in range(m)] + [Action.bw(r, i) for i in range(m)] for r in range(pp)
     ]
@@ -59,7 +66,7 @@ def gpipe(pp: int, m: int) -> Schedule:
 
 def one_f_one_b(pp: int, m: int) -> Schedule:
     """Warm-up forwards, one-forward-one-backward, drain (PipeDream-Flush)."""
-    _check(pp, m)
+    require_shape("1f1b", pp, m)
     acts = []
     for r in range(pp):
         warmup = min(pp - r - 1, m)
@@ -82,11 +89,7 @@ def interleaved_order(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
 
 def interleaved_1f1b(pp: int, vpp: int, m: int) -> Schedule:
     """Interleaved 1F1B with `vpp` chunks per rank (Megatron ordering, see module docstring)."""
-    _check(pp, m)
-    if vpp < 2:
-        raise ScheduleError(f"interleaved 1F1B needs vpp >= 2 chunks per rank, got {vpp}")
-    if m < pp:
-        raise ScheduleError(f"interleaved 1F1B needs micro-batches >= pp ({pp}), got {m}")
+    require_shape("interleaved", pp, m, vpp)
     table = interleaved_order(pp, vpp, m)
     total = len(table)  # m * vpp forwards per rank
     acts = []

@@ -47,7 +47,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError, v_placement
+from hyperloom.pipeline.basic import require_shape
+from hyperloom.pipeline.ir import Action, Pipe, Schedule, v_placement
 
 
 def phase_counts(H: int, h: int, C: int) -> tuple[int, ...]:
@@ -115,12 +116,7 @@ def _rank_program(
 
 def dualpipe(pp: int, m: int) -> Schedule:
     """Bidirectional DualPipe: two model copies, m/2 micro-batches entering from each end."""
-    if pp < 2 or pp % 2 or m % 2 or m < 2 * pp:
-        raise ScheduleError(
-            f"DualPipe needs an even pp >= 2 and an even number of micro-batches >= 2*pp; "
-            f"got pp={pp}, m={m} (try pp={pp + pp % 2 if pp >= 2 else 2}, "
-            f"m={max(2 * max(pp + pp % 2, 2), m + m % 2)})"
-        )
+    require_shape("dualpipe", pp, m)
     H, C = pp // 2, m // 2
     down, up = tuple(range(C)), tuple(range(C, m))  # pipe 0 and pipe 1 micro-batches
     acts = []
@@ -146,10 +142,7 @@ def dualpipe(pp: int, m: int) -> Schedule:
 
 def dualpipev(pp: int, m: int) -> Schedule:
     """DualPipeV: DualPipe's program on a V of 2*pp half-sized stages (one model copy)."""
-    if pp < 1 or m < 2 * pp:
-        raise ScheduleError(
-            f"DualPipeV needs micro-batches >= 2*pp = {2 * max(pp, 1)}; got pp={pp}, m={m}"
-        )
+    require_shape("dualpipev", pp, m)
     order = tuple(range(m))
     acts = [_rank_program(pp, r, m, (r, 2 * pp - 1 - r), (order, order)) for r in range(pp)]
     return Schedule(

@@ -3,7 +3,8 @@
 Every generator is a plain function of (pipeline size, [virtual stages,] micro-batches) that
 returns a compute-only `Schedule`; `comm.add_communication` derives the p2p actions. The
 constraints below are those of the published algorithms, stated with the numbers that break
-them so a user can fix the command line:
+them so a user can fix the command line; `hyperloom.config.schedule_shape_problems` states
+them once, for the job's validation and for the generators (`basic.require_shape`):
 
 ==============  =====  ===================================================================
 kind            vpp    micro-batches m
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hyperloom.pipeline.basic import gpipe, interleaved_1f1b, one_f_one_b
+from hyperloom.pipeline.basic import gpipe, interleaved_1f1b, one_f_one_b, require_shape
 from hyperloom.pipeline.dualpipe import dualpipe, dualpipev
 from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError
 from hyperloom.pipeline.zero_bubble import zb_h1, zb_v
@@ -38,9 +39,6 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "dualpipev": dualpipev,
 }
 
-# Stages per rank that a kind implies; interleaved is the one that takes --vpp.
-_FIXED_VPP = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2, "dualpipe": 1, "dualpipev": 2}
-
 DESCRIPTIONS = {
     "gpipe": "all forwards, then all backwards",
     "1f1b": "one forward, one full backward (PipeDream-Flush)",
@@ -54,33 +52,10 @@ DESCRIPTIONS = {
 
 def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
     """Build schedule `kind`; raise `ScheduleError` saying which constraint is broken."""
-    if kind not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
-    m = microbatches
-    if pp < 1 or m < 1:
-        raise ScheduleError(f"{kind}: need pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+    require_shape(kind, pp, microbatches, vpp)
     if kind == "interleaved":
-        if vpp < 2:
-            raise ScheduleError(
-                f"interleaved needs --vpp >= 2 model chunks per rank, got {vpp} "
-                f"(with one chunk per rank it is plain 1f1b)"
-            )
-        if m % pp:
-            lo = (m // pp) * pp
-            near = f"{lo} or {lo + pp}" if lo else f"{pp}"
-            raise ScheduleError(
-                f"interleaved (Megatron ordering) needs micro-batches to be a multiple of "
-                f"pp={pp}: got {m}, try {near}"
-            )
-        return interleaved_1f1b(pp, vpp, m)
-    fixed = _FIXED_VPP[kind]
-    if vpp not in (1, fixed):
-        shape = "2 stages per rank (implied)" if fixed == 2 else "one stage per rank"
-        hint = "; use 'interleaved' for more chunks per rank" if fixed == 1 else ""
-        raise ScheduleError(f"{kind} places {shape}: --vpp must be {fixed}, got {vpp}{hint}")
-    if kind == "zb-v" and pp < 2:
-        raise ScheduleError(f"zb-v needs pp >= 2 (the V turns at rank pp-1), got pp={pp}")
-    return SCHEDULES[kind](pp, m)
+        return interleaved_1f1b(pp, vpp, microbatches)
+    return SCHEDULES[kind](pp, microbatches)
 
 
 def forward_only(schedule: Schedule, microbatches: int) -> Schedule:

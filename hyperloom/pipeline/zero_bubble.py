@@ -28,14 +28,13 @@ Both functions return compute-only schedules; `comm.add_communication` adds the 
 
 from __future__ import annotations
 
-from hyperloom.pipeline.basic import _standard
-from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError, v_placement
+from hyperloom.pipeline.basic import _standard, require_shape
+from hyperloom.pipeline.ir import Action, Pipe, Schedule, v_placement
 
 
 def zb_h1(pp: int, m: int) -> Schedule:
     """1F1B with split backward and rank r's weight gradients deferred by r steps."""
-    if pp < 1 or m < 1:
-        raise ScheduleError(f"ZB-H1 needs pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}")
+    require_shape("zb-h1", pp, m)
     acts = []
     for r in range(pp):
         warmup = min(pp - r - 1, m)
@@ -55,8 +54,7 @@ def zb_h1(pp: int, m: int) -> Schedule:
 
 def zb_v(pp: int, m: int) -> Schedule:
     """ZB-V: two chunks per rank in a V, split backward (see module docstring)."""
-    if pp < 2 or m < 1:
-        raise ScheduleError(f"ZB-V needs pp >= 2 and micro-batches >= 1, got pp={pp}, m={m}")
+    require_shape("zb-v", pp, m)
     # The steady-state recipe assumes at least 2p - 1 micro-batches to fill the V; fewer are
     # scheduled as if there were that many, then the absent micro-batches are dropped (the
     # order of the rest stays valid because dropping work only removes dependencies).

@@ -149,9 +149,9 @@ def load_job(path: str | None, overrides: list[str]):
         JobConfig,
         build_section,
         parse_overrides,
+        preset_values,
         read_toml,
     )
-    from hyperloom.models.registry import preset_values
 
     raw = read_toml(path) if path else {}
     for section, values in parse_overrides(overrides).items():
@@ -205,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from hyperloom.planner.calibrate import cmd_calibrate
 
         return cmd_calibrate(args)
-    from hyperloom.models.registry import preset_config
+    from hyperloom.config import preset_config
     from hyperloom.planner import report
     from hyperloom.planner.model import ModelSpec
     from hyperloom.planner.search import SearchSpace, search

@@ -271,7 +271,7 @@ DEEPSEEK_V3_RUNTIMES = {
 
 
 def deepseek_v3_spec(imbalance: float | None = None) -> ModelSpec:
-    from hyperloom.models.registry import preset_config
+    from hyperloom.config import preset_config
 
     spec = ModelSpec.from_model_config(preset_config("deepseek-v3"), "deepseek-v3")
     return spec if imbalance is None else replace(spec, moe_imbalance=imbalance)

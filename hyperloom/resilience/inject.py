@@ -22,7 +22,9 @@ rank's shard files of the sharded one (before DCP's `.metadata`).
 Without `:rN` the numeric faults hit every rank and the process faults hit rank 0. The
 variable HYPERLOOM_INJECT adds specs to the config's, for drills on an existing config.
 NVRx's `inject_fault.py` and Megatron's dist-checkpointing tests inject the same kinds of
-faults (REFERENCE §5.4, §5.9).
+faults (REFERENCE §5.4, §5.9). The spec grammar (`parse_inject`, `Fault`) lives with its
+config section (hyperloom.config.resilience), so validating a job parses a spec without
+importing this runtime.
 """
 
 from __future__ import annotations
@@ -33,26 +35,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # config validation parses specs: keep this module free of torch
+from hyperloom.config import Fault, parse_inject
+
+if TYPE_CHECKING:  # torch only in annotations: the drills' runtime needs no import of it
     import torch
 
 log = logging.getLogger("hyperloom.resilience")
 
-KINDS = (
-    "nan_grad",
-    "loss_spike",
-    "crash",
-    "hang",
-    "kill_during_save",
-    "disk_full",
-    "writer_crash",
-)
 SAVE_FAULTS = ("kill_during_save", "disk_full", "writer_crash")
-NUMERIC = ("nan_grad", "loss_spike")
 SPIKE_FACTOR = 30.0
 CRASH_EXIT = 43  # exit status of an injected crash (distinct from errors, 1, and usage, 2)
 
@@ -61,41 +54,6 @@ class WriterCrash(BaseException):
     """The checkpoint writer died half-way (the writer_crash drill). A BaseException, like
     the SystemExit that ends a thread: no `except Exception` on the way catches it, only the
     writer's own top level, which must then report the save as failed."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int
-    rank: int | None  # None: every rank for numeric faults, rank 0 otherwise
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}@{self.step}" + ("" if self.rank is None else f":r{self.rank}")
-
-    def hits(self, rank: int) -> bool:
-        if self.rank is not None:
-            return rank == self.rank
-        return self.kind in NUMERIC or rank == 0
-
-
-def parse_inject(spec: str) -> list[Fault]:
-    """`"nan_grad@5,crash@7:r1"` -> faults; ValueError says what is allowed."""
-    faults = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        kind, _, rest = item.partition("@")
-        step_s, _, rank_s = rest.partition(":")
-        ok = kind in KINDS and step_s.isdigit() and int(step_s) >= 1
-        ok = ok and (not rank_s or (rank_s[:1] == "r" and rank_s[1:].isdigit()))
-        if not ok:
-            raise ValueError(
-                f"cannot read {item!r}: write kind@step or kind@step:rRANK with kind one of "
-                f"{', '.join(KINDS)} and step >= 1 (e.g. nan_grad@5, crash@4:r1)"
-            )
-        faults.append(Fault(kind, int(step_s), int(rank_s[1:]) if rank_s else None))
-    return faults
 
 
 class FaultInjector:

@@ -7,6 +7,7 @@ the message on stderr, no traceback).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -440,3 +441,83 @@ def test_parse_overrides_keeps_strings_and_dashes():
     raw = parse_overrides(["--train.grad-clip", "0.5", "--model.dim=128"])
     assert raw == {"train": {"grad_clip": "0.5"}, "model": {"dim": "128"}}
     assert load_config(None, ["--train.grad-clip", "0.5"]).train.grad_clip == 0.5
+
+
+# --------------------------------------------------------------------------- a leaf package
+
+
+def test_config_is_a_leaf_that_loads_presets_alone():
+    """Importing hyperloom.config and loading a preset job loads no other hyperloom module
+    (nor torch): every layer can read a job, and a config error costs no model import."""
+    code = (
+        "import sys\n"
+        "from hyperloom.config import load_config\n"
+        "m = load_config(None, ['--model.preset', 'moe-tiny', '--model.n_layers', '3']).model\n"
+        "assert (m.family, m.n_routed_experts, m.n_layers) == ('deepseek', 16, 3), m\n"
+        "print(sorted(n for n in sys.modules if n.startswith('hyperloom') or n == 'torch'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    loaded = ast.literal_eval(result.stdout)
+    assert [n for n in loaded if n != "hyperloom" and not n.startswith("hyperloom.config")] == []
+
+
+def test_config_sources_import_only_the_config_package():
+    """No import of another hyperloom package anywhere in hyperloom/config/, lazy or not."""
+    import hyperloom.config
+
+    root = Path(hyperloom.config.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: relative import"
+                names = [node.module or ""]
+            for name in names:
+                assert name != "importlib" and not name.startswith("importlib."), path
+                if name.split(".")[0] == "hyperloom":
+                    assert name.startswith("hyperloom.config"), f"{path} imports {name}"
+
+
+def test_model_fields_keep_the_section_order():
+    """The family groups compose one flat [model] table in its documented order."""
+    from hyperloom.config import ModelConfig
+
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    assert names[:3] == ["preset", "family", "vocab_size"]
+    assert names.index("dropout") + 1 == names.index("n_routed_experts")
+    assert names[-2:] == ["mtp_depth", "mtp_loss_weight"]
+    assert len(names) == 44
+
+
+def test_schedule_shapes_have_one_rule():
+    """The job's validation and the schedule generators state a broken shape alike."""
+    from hyperloom.config import PIPELINE_SCHEDULES, schedule_shape_problems
+    from hyperloom.pipeline import SCHEDULES, ScheduleError, build_schedule, dualpipe
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
+    (problem,) = schedule_shape_problems("dualpipe", 3, 6)
+    for build in (lambda: build_schedule("dualpipe", 3, 6), lambda: dualpipe(3, 6)):
+        with pytest.raises(ScheduleError) as info:
+            build()
+        assert str(info.value) == problem
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"parallel": {"pp": 3, "pp_schedule": "dualpipe"}}, world_size=3)
+    assert info.value.problems == [f"parallel.pp_schedule = 'dualpipe': {problem}"]
+    assert schedule_shape_problems("dualpipe", 4, 8) == []
+
+
+def test_inject_specs_parse_in_the_config():
+    """The fault-drill grammar is the config's; the drills' runtime uses the same one."""
+    from hyperloom.config import Fault, parse_inject
+    from hyperloom.resilience import inject
+
+    assert inject.parse_inject is parse_inject
+    assert parse_inject("crash@4:r1, nan_grad@2") == [
+        Fault("crash", 4, 1),
+        Fault("nan_grad", 2, None),
+    ]
+    with pytest.raises(ConfigError, match=re.escape("resilience.inject: cannot read 'hang@0'")):
+        load_config(None, ["--resilience.inject", "hang@0"])

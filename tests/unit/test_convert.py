@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hyperloom.config import JobConfig, dumps_toml
+from hyperloom.config import JobConfig, dumps_toml, preset_config
 from hyperloom.models.convert import ConvertError, export_hf, import_hf
-from hyperloom.models.registry import init_model, preset_config
+from hyperloom.models.registry import init_model
 from hyperloom.train import checkpoint as ckpt
 
 LLAMA = dict(

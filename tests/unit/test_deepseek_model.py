@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from hyperloom.config import ModelConfig
+from hyperloom.config import ModelConfig, preset_config
 from hyperloom.engine.ops import OpImpls
 from hyperloom.inference import generate
 from hyperloom.models.deepseek import hf
 from hyperloom.models.deepseek.moe import MoE
-from hyperloom.models.registry import init_model, preset_config
+from hyperloom.models.registry import init_model
 
 EAGER = OpImpls.choose(compile=False)  # same arithmetic as the compiled kernels, no compiling
 

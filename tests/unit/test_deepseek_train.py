@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from hyperloom.config import ConfigError, ModelConfig, load_config
+from hyperloom.config import ConfigError, ModelConfig, load_config, preset_config
 from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
-from hyperloom.models.registry import build_model, family, init_model, preset_config
+from hyperloom.models.registry import build_model, family, init_model
 from hyperloom.train.trainer import Trainer
 
 EAGER = OpImpls.choose(compile=False)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hyperloom.accelerator import get_accelerator
+from hyperloom.config import preset_config
 from hyperloom.engine.fp8 import BlockwiseScaling, convert_to_fp8
-from hyperloom.models.registry import init_model, preset_config
+from hyperloom.models.registry import init_model
 
 BENCHMARK = "fp8_gradient_fidelity"  # the conftest `bench` fixture imports it
 

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from hyperloom.config import ModelConfig
+from hyperloom.config import ModelConfig, preset_config, preset_names
 from hyperloom.engine.ops.rope import apply_rope, rope_inv_freq, rope_tables
 from hyperloom.inference import filter_logits, generate
 from hyperloom.models.llama import KVCache, param_count, training_flops_per_token
 from hyperloom.models.llama.hf import from_hf_state_dict, hf_config, to_hf_state_dict
-from hyperloom.models.registry import build_model, init_model, preset_config, preset_names
+from hyperloom.models.registry import build_model, init_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hyperloom.models.registry import preset_config
+from hyperloom.config import preset_config
 from hyperloom.planner.collectives import (
     all_to_all_cost,
     all_to_all_time,

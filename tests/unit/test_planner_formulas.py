@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from hyperloom.config import preset_config
 from hyperloom.models.llama import accounting
-from hyperloom.models.registry import preset_config
 from hyperloom.planner.collectives import (
     Link,
     all_to_all_time,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hyperloom.config import preset_config
 from hyperloom.models.deepseek import accounting
-from hyperloom.models.registry import preset_config
 from hyperloom.planner.hardware import Cluster, get_accelerator
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.simulate import predict

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hyperloom.models.registry import preset_config
+from hyperloom.config import preset_config
 from hyperloom.planner import Cluster, ModelSpec, PlanError, SearchSpace, search
 from hyperloom.planner.cli import add_plan_parser, parse_fix
 from hyperloom.planner.strategy import check

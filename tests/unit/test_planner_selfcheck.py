@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 
-from hyperloom.config import load_config
-from hyperloom.models.registry import preset_config
+from hyperloom.config import load_config, preset_config
 from hyperloom.planner import predict
 from hyperloom.planner.collectives import Link, collective_time, group_link
 from hyperloom.planner.hardware import ACCELERATORS, Cluster

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from hyperloom.models.registry import preset_config
+from hyperloom.config import preset_config
 from hyperloom.pipeline import Costs as PipeCosts
 from hyperloom.pipeline import build_schedule, closed_form_bubble
 from hyperloom.planner import Cluster, ModelSpec, PlanError, Strategy, predict

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from hyperloom.config import parse_inject
 from hyperloom.resilience.anomaly import AnomalyDetector
-from hyperloom.resilience.inject import parse_inject
 from hyperloom.resilience.policy import RecoveryPolicy
 
 

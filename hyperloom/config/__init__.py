@@ -1,0 +1,83 @@
+"""Typed job configuration: nested dataclasses, TOML presets and dotted command-line overrides.
+
+A job is one `JobConfig` made of sections (model, parallel, precision, train, data, checkpoint,
+logging, resilience, ops). Every field carries a one-line doc in its metadata; `hyperloom
+config show` prints the resolved config as TOML with those docs as comments.
+
+Each section is a module here with its dataclass and its own checks (`problems(job)`), shown
+with their arithmetic; `job.validate` only collects them. The `[model]` section is one flat
+table whose fields are declared per family (`config.models`), with its presets beside it.
+Unknown keys, wrong types and values outside a field's choices are reported with the key's
+full dotted name (`base.build_section`).
+
+This package is a leaf: it imports nothing else from hyperloom, so every layer can read a
+job, and loading one needs neither torch nor the model code.
+"""
+
+from hyperloom.config.base import (
+    ConfigError,
+    build_section,
+    dump_toml_file,
+    dumps_toml,
+    knob,
+    read_toml,
+    to_dict,
+)
+from hyperloom.config.checkpoint import CheckpointConfig
+from hyperloom.config.data import DataConfig
+from hyperloom.config.job import (
+    JobConfig,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+    validate,
+)
+from hyperloom.config.logging import LoggingConfig
+from hyperloom.config.model import ModelConfig, preset_config, preset_names, preset_values
+from hyperloom.config.ops import OpsConfig
+from hyperloom.config.parallel import (
+    PIPELINE_SCHEDULES,
+    ParallelConfig,
+    pipeline_chunks,
+    pipeline_microbatches,
+    schedule_shape_problems,
+    world_size_from_env,
+)
+from hyperloom.config.precision import FP8_GEMMS, PrecisionConfig
+from hyperloom.config.resilience import Fault, ResilienceConfig, parse_inject
+from hyperloom.config.train import TrainConfig
+
+__all__ = [
+    "FP8_GEMMS",
+    "PIPELINE_SCHEDULES",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "Fault",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OpsConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "ResilienceConfig",
+    "TrainConfig",
+    "build_section",
+    "config_from_dict",
+    "dump_toml_file",
+    "dumps_toml",
+    "knob",
+    "load_config",
+    "parse_inject",
+    "parse_overrides",
+    "pipeline_chunks",
+    "pipeline_microbatches",
+    "preset_config",
+    "preset_names",
+    "preset_values",
+    "read_toml",
+    "schedule_shape_problems",
+    "to_dict",
+    "validate",
+    "world_size_from_env",
+]

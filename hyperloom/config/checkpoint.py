@@ -1,0 +1,37 @@
+"""The `[checkpoint]` section: saving and resuming (hyperloom.checkpoint)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hyperloom.config.base import knob, positive
+
+if TYPE_CHECKING:
+    from hyperloom.config.job import JobConfig
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every: int = knob(0, "steps between checkpoints (0 = only at the end)")
+    keep: int = knob(2, "how many of the newest checkpoints to keep")
+    resume: str = knob(
+        "auto", "auto = newest checkpoint in the run dir; none; or a checkpoint path"
+    )
+    async_save: bool = knob(
+        False, "stage a CPU copy and write it in a background thread while training goes on"
+    )
+    format: str = knob(
+        "whole",
+        "whole = gathered tensors, one safetensors file by the main rank; sharded = every rank "
+        "writes its own shards (torch.distributed.checkpoint), resharded on load",
+        choices=["whole", "sharded"],
+    )
+
+    def problems(self, job: JobConfig) -> list[str]:
+        p = []
+        if self.every < 0:
+            p.append(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+        return p + positive("checkpoint.keep", self.keep)

@@ -1,0 +1,39 @@
+"""The `[logging]` section: what a run reports and where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hyperloom.config.base import knob, positive
+
+if TYPE_CHECKING:
+    from hyperloom.config.job import JobConfig
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What a run reports and where."""
+
+    run_dir: str = knob("runs/default", "directory for metrics, plots, checkpoints")
+    log_every: int = knob(10, "steps between metric lines")
+    peak_tflops: float = knob(
+        0.0, "peak TFLOP/s for MFU; 0 = measure this machine's BF16 matmul peak"
+    )
+    progress: bool = knob(True, "show a progress bar")
+    plot: bool = knob(True, "write loss_curve.png")
+    sample_prompt: str = knob("def ", "prompt for the sample printed after training ('' = none)")
+    sample_tokens: int = knob(96, "tokens to generate for that sample")
+    self_check: str = knob(
+        "auto",
+        "planner's predicted step time and memory beside the measured ones: auto (a profile "
+        "of this machine, measured once and cached), off, or a `plan calibrate` JSON",
+    )
+
+    def problems(self, job: JobConfig) -> list[str]:
+        p = positive("logging.log_every", self.log_every)
+        if self.peak_tflops < 0:
+            p.append(f"logging.peak_tflops must be >= 0 (0 = measure), got {self.peak_tflops}")
+        if self.sample_tokens < 0:
+            p.append(f"logging.sample_tokens must be >= 0, got {self.sample_tokens}")
+        return p

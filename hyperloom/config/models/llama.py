@@ -1,0 +1,101 @@
+"""Model fields of the Llama-style decoder, which every family builds on, and their checks.
+
+Sizes, attention heads, RoPE (with Llama 3.1's frequency scaling), norm, init and dropout are
+read by every family; `qk_norm` (OLMo 2 / Qwen3) is built for the llama family only, and the
+DeepSeek group rejects it. The fields keep the order of the `[model]` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hyperloom.config.base import knob, positive
+
+if TYPE_CHECKING:
+    from hyperloom.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class LlamaFields:
+    """The decoder's shape: the `[model]` keys every family reads."""
+
+    vocab_size: int = knob(16384, "vocabulary size (the built-in tokenizer is trained to it)")
+    dim: int = knob(384, "model width (hidden size)")
+    n_layers: int = knob(6, "number of transformer blocks")
+    n_heads: int = knob(6, "attention (query) heads")
+    n_kv_heads: int = knob(2, "key/value heads for grouped-query attention")
+    ffn_dim: int = knob(1024, "SwiGLU hidden width")
+    norm_eps: float = knob(1e-5, "RMSNorm epsilon")
+    rope_theta: float = knob(10000.0, "RoPE base frequency")
+    rope_scaling: float = knob(1.0, "Llama-3.1 RoPE frequency scaling factor (1 = none)")
+    rope_low_freq_factor: float = knob(1.0, "Llama-3.1 RoPE low-frequency factor")
+    rope_high_freq_factor: float = knob(4.0, "Llama-3.1 RoPE high-frequency factor")
+    rope_original_max_seq: int = knob(8192, "context length the RoPE scaling extends from")
+    max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
+    tie_embeddings: bool = knob(False, "share the input embedding with the output head")
+    qk_norm: bool = knob(
+        False, "RMSNorm on each head's query and key before RoPE (OLMo 2 / Qwen3); llama only"
+    )
+    init_std: float = knob(0.02, "std of the normal weight init (output projections scaled)")
+    dropout: float = knob(
+        0.0, "training dropout on attention weights and each block's residual branches (0 = off)"
+    )
+
+
+def decoder_problems(m: ModelConfig) -> list[str]:
+    """Sizes positive; heads that split the width into even head dims; RoPE scaling sane."""
+    heads = [
+        *positive("model.dim", m.dim),
+        *positive("model.n_heads", m.n_heads),
+        *positive("model.n_kv_heads", m.n_kv_heads),
+    ]
+    p = [
+        *heads,
+        *positive("model.n_layers", m.n_layers),
+        *positive("model.ffn_dim", m.ffn_dim),
+        *positive("model.max_seq_len", m.max_seq_len),
+        *positive("model.norm_eps", m.norm_eps),
+        *positive("model.rope_theta", m.rope_theta),
+        *positive("model.init_std", m.init_std),
+    ]
+    if m.vocab_size < 2:
+        p.append(f"model.vocab_size must be at least 2, got {m.vocab_size}")
+    if not 0.0 <= m.dropout < 1.0:
+        p.append(f"model.dropout must lie in [0, 1), got {m.dropout}")
+    if not heads:
+        if m.dim % m.n_heads:
+            p.append(
+                f"model.dim ({m.dim}) is not divisible by model.n_heads ({m.n_heads}): "
+                f"{m.dim} / {m.n_heads} = {m.dim / m.n_heads:.4g}"
+            )
+        elif (m.dim // m.n_heads) % 2:
+            p.append(
+                f"head dim model.dim / model.n_heads = {m.dim} / {m.n_heads} = "
+                f"{m.dim // m.n_heads} is odd; RoPE rotates pairs, so it must be even"
+            )
+        if m.n_heads % m.n_kv_heads:
+            p.append(
+                f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads "
+                f"({m.n_kv_heads}): {m.n_heads} / {m.n_kv_heads} = {m.n_heads / m.n_kv_heads:.4g}"
+            )
+    if m.rope_scaling < 1:
+        p.append(f"model.rope_scaling must be >= 1 (1 = no scaling), got {m.rope_scaling}")
+    elif m.rope_scaling > 1 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        p.append(
+            f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
+            f"model.rope_low_freq_factor ({m.rope_low_freq_factor})"
+        )
+    return p
+
+
+def llama_tp_widths(m: ModelConfig) -> dict[str, int]:
+    """The widths tensor parallelism splits in a llama block, named for messages."""
+    if m.dim % m.n_heads:
+        return {}  # reported by decoder_problems
+    head_dim = m.dim // m.n_heads
+    return {
+        "model.dim (wq rows, wo columns)": m.dim,
+        "model.n_kv_heads * head_dim (wk, wv rows)": m.n_kv_heads * head_dim,
+        "model.ffn_dim (w1, w3 rows, w2 columns)": m.ffn_dim,
+    }

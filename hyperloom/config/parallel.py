@@ -1,0 +1,228 @@
+"""The `[parallel]` section: the layout over ranks, and what each pipeline schedule needs.
+
+`schedule_shape_problems` is the one home of the shapes (pipeline size, micro-batches,
+chunks per rank) each schedule can be built for: the config's validation reports them and
+the generators in `hyperloom.pipeline` raise them, with the same words.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hyperloom.config.base import knob
+
+if TYPE_CHECKING:
+    from hyperloom.config.job import JobConfig
+
+# The schedule kinds, in the order `hyperloom schedule --help` lists them.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe", "dualpipev")
+
+# Stages per rank that a kind implies; interleaved is the one that takes vpp.
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2, "dualpipe": 1, "dualpipev": 2}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout. Their product must equal the world size."""
+
+    dp: int = knob(1, "data-parallel degree")
+    tp: int = knob(1, "tensor-parallel degree")
+    pp: int = knob(1, "pipeline-parallel degree")
+    cp: int = knob(1, "context-parallel degree")
+    ep: int = knob(1, "expert-parallel degree: each rank holds E / ep experts (folds over dp)")
+    ep_dispatcher: str = knob(
+        "alltoall",
+        "how tokens reach their experts under ep: all-to-all of the routed rows, or "
+        "all-gather of the group's rows + reduce-scatter of the outputs",
+        choices=["alltoall", "allgather"],
+    )
+    sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
+    zero: int = knob(
+        0,
+        "0 = DDP; 1 = Adam state + master weights sharded over dp; 3 = FSDP2 (all sharded)",
+        choices=[0, 1, 3],
+    )
+    order: str = knob("pp,dp,cp,tp", "rank order of the mesh, outermost first (tp innermost)")
+    pp_schedule: str = knob(
+        "1f1b",
+        "pipeline schedule (`hyperloom schedule --help` describes each)",
+        choices=PIPELINE_SCHEDULES,
+    )
+    vpp: int = knob(1, "model chunks per pipeline rank for 'interleaved' (zb-v/dualpipev imply 2)")
+    microbatches: int = knob(
+        0,
+        "pipeline micro-batches per step, each train.micro_batch_size sequences (0 = 2 x pp)",
+    )
+    pp_layers: list[int] = knob(
+        doc="layers per model chunk in pipeline order (empty = even split); a 0 gives the "
+        "embedding or the head a chunk of its own",
+        factory=list,
+    )
+
+    def invalid_degrees(self) -> list[str]:
+        """Names of the degrees below 1 (the other checks need them all >= 1)."""
+        degrees = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        return [k for k, v in degrees.items() if v < 1]
+
+    def problems(self, job: JobConfig, world_size: int | None = None) -> list[str]:
+        """The layout against the world size (default torchrun's WORLD_SIZE), the model's
+        shapes and the pipeline schedule, arithmetic shown."""
+        bad = self.invalid_degrees()
+        if bad:
+            return [f"parallel.{k} must be >= 1, got {getattr(self, k)}" for k in bad]
+        p = _tensor_parallel_problems(job) + _pipeline_problems(job)
+        if self.cp > 1:
+            p.append(
+                f"parallel.cp = {self.cp}: context parallelism is not built yet; this release "
+                f"runs tp, sp, pp, dp (zero 0, 1 or 3) and ep"
+            )
+        world = world_size_from_env() if world_size is None else world_size
+        dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        product = self.dp * self.tp * self.pp * self.cp
+        if product != world:
+            expr = " * ".join(f"{k}({v})" for k, v in dims.items())
+            p.append(f"{expr} = {product} != world size {world}")
+        if self.dp % self.ep:
+            p.append(
+                f"parallel.ep ({self.ep}) must divide dp ({self.dp}): experts fold over the "
+                f"data-parallel ranks"
+            )
+        return p
+
+
+def world_size_from_env() -> int:
+    """World size as torchrun announces it (1 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def pipeline_microbatches(par: ParallelConfig) -> int:
+    """Micro-batches per pipelined step (the 0 default means 2 x pp, which every schedule
+    accepts); 1 without pipeline parallelism."""
+    if par.pp == 1:
+        return 1
+    return par.microbatches or 2 * par.pp
+
+
+def pipeline_chunks(par: ParallelConfig) -> int:
+    """Model chunks the layers are split into: pp x stages per rank (DualPipe's two copies
+    of each chunk count once)."""
+    if par.pp_schedule == "interleaved":
+        return par.pp * par.vpp
+    return par.pp * STAGES_PER_RANK.get(par.pp_schedule, 1)
+
+
+def schedule_shape_problems(kind: str, pp: int, microbatches: int, vpp: int = 1) -> list[str]:
+    """Why schedule `kind` cannot be built for pp ranks, `microbatches` and vpp chunks per
+    rank: the first broken precondition (so at most one), empty when it can be built.
+
+    The constraints are those of the published algorithms (the table in
+    `hyperloom.pipeline.schedules`), stated with the numbers that break them.
+    """
+    m = microbatches
+    if kind not in PIPELINE_SCHEDULES:
+        return [f"unknown schedule {kind!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}"]
+    if pp < 1 or m < 1:
+        return [f"{kind}: need pp >= 1 and micro-batches >= 1, got pp={pp}, m={m}"]
+    if kind == "interleaved":
+        if vpp < 2:
+            return [
+                f"interleaved needs --vpp >= 2 model chunks per rank, got {vpp} "
+                f"(with one chunk per rank it is plain 1f1b)"
+            ]
+        if m % pp:
+            lo = (m // pp) * pp
+            near = f"{lo} or {lo + pp}" if lo else f"{pp}"
+            return [
+                f"interleaved (Megatron ordering) needs micro-batches to be a multiple of "
+                f"pp={pp}: got {m}, try {near}"
+            ]
+        return []
+    fixed = STAGES_PER_RANK[kind]
+    if vpp not in (1, fixed):
+        shape = "2 stages per rank (implied)" if fixed == 2 else "one stage per rank"
+        hint = "; use 'interleaved' for more chunks per rank" if fixed == 1 else ""
+        return [f"{kind} places {shape}: --vpp must be {fixed}, got {vpp}{hint}"]
+    if kind == "zb-v" and pp < 2:
+        return [f"zb-v needs pp >= 2 (the V turns at rank pp-1), got pp={pp}"]
+    if kind == "dualpipe" and (pp < 2 or pp % 2 or m % 2 or m < 2 * pp):
+        return [
+            f"DualPipe needs an even pp >= 2 and an even number of micro-batches >= 2*pp; "
+            f"got pp={pp}, m={m} (try pp={pp + pp % 2 if pp >= 2 else 2}, "
+            f"m={max(2 * max(pp + pp % 2, 2), m + m % 2)})"
+        ]
+    if kind == "dualpipev" and m < 2 * pp:
+        return [f"DualPipeV needs micro-batches >= 2*pp = {2 * pp}; got pp={pp}, m={m}"]
+    return []
+
+
+def _pipeline_problems(job: JobConfig) -> list[str]:
+    par, t = job.parallel, job.train
+    out = []
+    if par.pp == 1:
+        if par.microbatches > 1 or par.pp_layers:
+            out.append(
+                "parallel.microbatches and parallel.pp_layers need parallel.pp > 1 "
+                "(use train.grad_accum to accumulate without a pipeline)"
+            )
+        return out
+    shape = schedule_shape_problems(par.pp_schedule, par.pp, pipeline_microbatches(par), par.vpp)
+    if shape:
+        out.append(f"parallel.pp_schedule = '{par.pp_schedule}': {shape[0]}")
+        return out
+    chunks = pipeline_chunks(par)
+    n_layers = job.model.n_layers
+    if par.pp_layers:
+        if len(par.pp_layers) != chunks or sum(par.pp_layers) != n_layers:
+            out.append(
+                f"parallel.pp_layers {par.pp_layers} must give {chunks} chunks "
+                f"(pp({par.pp}) x stages per rank) that sum to model.n_layers ({n_layers}); "
+                f"got {len(par.pp_layers)} chunks summing to {sum(par.pp_layers)}"
+            )
+        elif min(par.pp_layers) < 0:
+            out.append(f"parallel.pp_layers must be >= 0 each, got {par.pp_layers}")
+    elif n_layers < chunks:
+        out.append(
+            f"model.n_layers ({n_layers}) < {chunks} pipeline chunks: every chunk needs a "
+            f"layer (or set parallel.pp_layers with explicit zeros)"
+        )
+    if par.zero == 3:
+        out.append(
+            "parallel.zero = 3 with parallel.pp > 1: FSDP under pipeline parallelism is not "
+            "built yet; use zero 0 or 1"
+        )
+    if t.compile:
+        out.append("train.compile with parallel.pp > 1 is not built yet; set train.compile false")
+    return out
+
+
+def _tensor_parallel_problems(job: JobConfig) -> list[str]:
+    m, par, tp = job.model, job.parallel, job.parallel.tp
+    out = []
+    for key in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        value = getattr(m, key)
+        if value > 0 and value % tp:
+            out.append(
+                f"model.{key} ({value}) is not divisible by parallel.tp ({tp}): each tensor-"
+                f"parallel rank needs a whole share, {value} / {tp} = {value / tp:.4g}"
+            )
+    if par.sp and tp > 1 and job.data.seq_len % tp:
+        out.append(
+            f"data.seq_len ({job.data.seq_len}) is not divisible by parallel.tp ({tp}); "
+            f"sequence parallelism splits the sequence into tp equal parts"
+        )
+    if m.dropout > 0 and tp > 1:
+        out.append(
+            f"model.dropout = {m.dropout} with parallel.tp = {tp} is not supported: the "
+            f"tensor-parallel ranks hold different slices (heads, sequence) of one tensor but "
+            f"share one RNG stream, so their masks would repeat slice to slice (Megatron keeps "
+            f"an RNG tracker for this); use model.dropout = 0 or parallel.tp = 1"
+        )
+    names = [n.strip() for n in par.order.split(",") if n.strip()]
+    if sorted(names) != sorted(["pp", "dp", "cp", "tp"]):
+        out.append(f"parallel.order must name pp, dp, cp and tp once each, got {par.order!r}")
+    return out

@@ -1,0 +1,79 @@
+"""The `[train]` section: optimisation and the training loop (hyperloom.train)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hyperloom.config.base import knob, positive
+
+if TYPE_CHECKING:
+    from hyperloom.config.job import JobConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    steps: int = knob(300, "optimizer steps to run")
+    stop_at_step: int = knob(
+        0, "save and stop at this step; the schedule still plans train.steps (0 = off)"
+    )
+    micro_batch_size: int = knob(8, "sequences per forward/backward")
+    grad_accum: int = knob(1, "micro-batches accumulated per optimizer step")
+    lr: float = knob(3e-3, "peak learning rate")
+    min_lr_ratio: float = knob(0.1, "final learning rate as a fraction of the peak")
+    schedule: str = knob(
+        "cosine", "LR schedule after warmup", choices=["cosine", "wsd", "constant"]
+    )
+    warmup_steps: int = knob(30, "linear warmup steps")
+    decay_fraction: float = knob(0.2, "wsd: fraction of the steps spent decaying")
+    weight_decay: float = knob(0.1, "AdamW decoupled weight decay (not on norms/biases)")
+    beta1: float = knob(0.9, "AdamW beta1")
+    beta2: float = knob(0.95, "AdamW beta2")
+    eps: float = knob(1e-8, "AdamW epsilon")
+    grad_clip: float = knob(1.0, "max global gradient norm (0 = no clipping)")
+    seed: int = knob(1234, "seed for initialisation and data order")
+    eval_every: int = knob(100, "steps between validations (0 = only at the end)")
+    eval_batches: int = knob(8, "validation batches per evaluation")
+    device: str = knob("auto", "cpu, cuda, musa, ... or auto (see hyperloom.accelerator)")
+    compile: bool = knob(False, "wrap the model in torch.compile")
+    host_allocator: str = knob(
+        "cache",
+        "CPU runs: glibc malloc keeps freed memory for reuse, as a caching allocator does "
+        "(cache), or is left as it is (system); see hyperloom.accelerator",
+        choices=["cache", "system"],
+    )
+
+    def problems(self, job: JobConfig) -> list[str]:
+        """Sizes, learning-rate schedule and AdamW settings in range."""
+        t = self
+        p = [
+            *positive("train.steps", t.steps),
+            *positive("train.micro_batch_size", t.micro_batch_size),
+            *positive("train.grad_accum", t.grad_accum),
+            *positive("train.lr", t.lr),
+            *positive("train.eval_batches", t.eval_batches),
+        ]
+        if t.warmup_steps < 0:
+            p.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            p.append(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
+        if t.schedule == "wsd" and not 0.0 < t.decay_fraction <= 1.0:
+            p.append(
+                f"train.decay_fraction must lie in (0, 1] for the wsd schedule, "
+                f"got {t.decay_fraction}"
+            )
+        for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+            if not 0.0 <= beta < 1.0:
+                p.append(f"{key} must lie in [0, 1), got {beta}")
+        for key, value in (
+            ("train.weight_decay", t.weight_decay),
+            ("train.grad_clip", t.grad_clip),
+            ("train.eps", t.eps),
+            ("train.eval_every", t.eval_every),
+            ("train.stop_at_step", t.stop_at_step),
+        ):
+            if value < 0:
+                p.append(f"{key} must be >= 0, got {value}")
+        return p

@@ -24,7 +24,7 @@ from hyperloom.config import config_from_dict
 from hyperloom.models.registry import build_model
 from hyperloom.parallel.mesh import build_mesh, exit_worker, init_distributed
 from hyperloom.pipeline.runtime import build_pipeline
-from hyperloom.train.optim import build_optimizer
+from hyperloom.train.optim import adamw, build_optimizer
 
 MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=128)
 SEQ, MBS = 16, 2
@@ -61,7 +61,7 @@ def run_case(case: str, acc) -> dict:
     ref = build_model(cfg.model)
     ref.to_empty(device=acc.device)
     ref.init_weights(cfg.train.seed)
-    ref_opt = build_optimizer(ref, cfg.train)
+    ref_opt = adamw(ref, cfg.train)
 
     gen = torch.Generator().manual_seed(1234)
     rows = MBS * m

@@ -40,10 +40,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from hyperloom.checkpoint import checkpoint_step, latest_checkpoint
 from hyperloom.config import load_config
 from hyperloom.engine import ops
 from hyperloom.engine.fp8 import fp8_autocast, recipe_from_name
-from hyperloom.train.checkpoint import checkpoint_step, latest_checkpoint
 from hyperloom.train.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"

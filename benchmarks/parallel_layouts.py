@@ -19,7 +19,7 @@ What is measured, per layout:
   the sharding. (The trainer's summary.json `peak_memory_gb_per_rank`, `ru_maxrss` at the very
   end, is kept in the JSON; here the two agree.) On CPU the RSS includes the interpreter, torch
   and the token arrays: about 0.45 GB per process once set up (`setup_peak_rss_gb_per_rank`).
-- state per rank: `hyperloom.parallel.state.local_state_bytes` after the optimizer step --
+- state per rank: `hyperloom.parallel.footprint.local_state_bytes` after the optimizer step --
   parameters, gradients, Adam moments and ZeRO-1's FP32 master slice, the part a layout
   promises to divide; buffers (DDP buckets, FSDP all-gathers, ZeRO-1's flat copies) and
   activations are not in it, only in the RSS.
@@ -151,7 +151,7 @@ def worker(out_path: Path, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from hyperloom.config import load_config
-    from hyperloom.parallel.state import local_state_bytes
+    from hyperloom.parallel.footprint import local_state_bytes
     from hyperloom.parallel.zero1 import ZeroOneAdamW
     from hyperloom.train.trainer import Trainer
 

@@ -42,9 +42,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     # Imported lazily so `hyperloom config show` (and any config error) does not pay for
     # torch-heavy modules: torch's import is 1.7 s of a 3 s `config` command.
     from hyperloom.accelerator import AcceleratorError
+    from hyperloom.checkpoint import CheckpointError
     from hyperloom.data import DataError
     from hyperloom.resilience.policy import TrainingHalted
-    from hyperloom.train.checkpoint import CheckpointError
 
     return (
         *USER_ERRORS,
@@ -170,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     loaded = load_for_inference(args.checkpoint, device=args.device)
     if args.speculative and loaded.cfg.model.mtp_depth == 0:
-        from hyperloom.train.checkpoint import CheckpointError
+        from hyperloom.checkpoint import CheckpointError
 
         raise CheckpointError(
             f"--speculative drafts with the model's MTP modules, and {loaded.checkpoint} has "

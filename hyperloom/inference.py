@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from hyperloom import checkpoint as ckpt
 from hyperloom.accelerator import DTYPES, Accelerator, get_accelerator
 from hyperloom.config import JobConfig, config_from_dict, read_toml
 from hyperloom.data import Tokenizer
 from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.models.llama import KVCache
 from hyperloom.models.registry import build_model
-from hyperloom.train import checkpoint as ckpt
 
 log = logging.getLogger("hyperloom.generate")
 

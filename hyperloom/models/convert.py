@@ -70,8 +70,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     """Write checkpoint (a run or checkpoint directory) as a Hugging Face model directory."""
     from safetensors.torch import save_file
 
+    from hyperloom import checkpoint as ckpt
     from hyperloom.config import config_from_dict, read_toml
-    from hyperloom.train import checkpoint as ckpt
 
     ckpt_dir = ckpt.resolve_checkpoint(checkpoint)
     ckpt.verify_checkpoint(ckpt_dir)
@@ -112,9 +112,9 @@ def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     """Read a Hugging Face model directory into a hyperloom checkpoint under `run_dir`."""
+    from hyperloom import checkpoint as ckpt
     from hyperloom.config import ConfigError, DataConfig, config_from_dict, dumps_toml
     from hyperloom.models.registry import build_model
-    from hyperloom.train import checkpoint as ckpt
 
     src = Path(hf_dir)
     config_json = src / "config.json"

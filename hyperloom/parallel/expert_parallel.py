@@ -38,7 +38,7 @@ global gradient norm the expert weights are disjoint over ep, like tensor-parall
 over tp.
 
 Checkpoints stay layout-free: an expert weight carries `Shard(0, ep_rank, ep, over="ep")`,
-so state gathering concatenates the ep ranks' experts into the whole (E, out, in) tensor and loading slices it back (`parallel.state`). Delayed FP8 scaling's
+so state gathering concatenates the ep ranks' experts into the whole (E, out, in) tensor and loading slices it back (`checkpoint.state`). Delayed FP8 scaling's
 per-expert histories (E / ep, len, 9) take the same road in the FP8 state a checkpoint keeps:
 `fp8_state_dict` gathers them whole over ep (`fp8_whole`), loading takes this rank's experts'
 rows (`fp8_piece`).

@@ -20,7 +20,7 @@ validation loss otherwise).
 | spike | loss and gradients x30 at step K | the same |
 
 The drills are REFERENCE §5.9's list, minus what needs more than one host or a device. The
-async writer is a thread (hyperloom/resilience/checkpoint.py), so writer_crash kills it with an
+async writer is a thread (hyperloom/checkpoint/writer.py), so writer_crash kills it with an
 exception, not a signal. Kinds with an expected event in `EVENT` pass only if the event is in
 events.log.
 """
@@ -108,7 +108,7 @@ def corrupt(ckpt_dir: Path) -> str:
 
 def uncommit(ckpt_dir: Path) -> str:
     """Delete a checkpoint's commit record (`meta.json`, written last by
-    train/checkpoint.py `commit`); returns what was done."""
+    hyperloom.checkpoint.commit); returns what was done."""
     f = ckpt_dir / "meta.json"
     f.unlink()
     return f"deleted the commit record {f.relative_to(ckpt_dir.parent.parent)}"
@@ -128,9 +128,9 @@ def run_drill(
     watchdog_s: float = 5.0,
 ) -> dict[str, Any]:
     """Run drill `kind` in `run_dir` and return its report (also written to drill.json)."""
+    from hyperloom import checkpoint as ckpt
     from hyperloom.config import load_config
     from hyperloom.resilience.events import read_events
-    from hyperloom.train import checkpoint as ckpt
 
     if kind not in KINDS:
         raise DrillError(f"unknown drill {kind!r}; drills are: {', '.join(KINDS)}")
@@ -226,7 +226,7 @@ def run_drill(
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    from hyperloom.train.checkpoint import load_model_state
+    from hyperloom.checkpoint import load_model_state
 
     wa, wb = load_model_state(a), load_model_state(b)  # either checkpoint format
     return list(wa) == list(wb) and all(wa[k].equal(wb[k]) for k in wa)

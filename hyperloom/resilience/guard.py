@@ -1,7 +1,9 @@
 """The trainer's resilience hooks in one object: checks, recovery, saves, watchdog, drills.
 
 The trainer calls a `Guard` at a handful of points and otherwise knows nothing of
-resilience:
+resilience; the guard in turn sees the trainer only through `GuardedRun`, the few things it
+needs to act on a run (its step, a checkpoint load, the data position, a barrier), and saves
+and finds checkpoints through hyperloom.checkpoint's interface:
 
 - `inject_grads` after the backward (fault drills), `healthy` before the optimizer step
   (anomaly detection: False drops the update), `after_step` once the step is counted
@@ -13,7 +15,9 @@ resilience:
 Every decision is identical on every rank: the checked values are all-reduced first, and
 the checkpoint a rollback returns to is chosen from the shared file system by every rank
 alike. Only the main rank writes events and checkpoints (with `checkpoint.format = "sharded"`,
-every rank writes its own shards and the main rank commits them).
+every rank writes its own shards and the main rank commits them). The guard owns the
+learning-rate scale that rollbacks lower (`lr_scale`, saved with its state); the trainer
+multiplies its scheduled rate by it.
 """
 
 from __future__ import annotations
@@ -21,55 +25,97 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from hyperloom import checkpoint as ckpt
 from hyperloom.resilience.anomaly import Anomaly, AnomalyDetector
-from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import EventLog
 from hyperloom.resilience.inject import FaultInjector
 from hyperloom.resilience.policy import RecoveryPolicy, TrainingHalted
-from hyperloom.resilience.sharded import ShardedCheckpointWriter
 from hyperloom.resilience.watchdog import (
     RestartLoopError,
     Watchdog,
     record_start,
     restart_count,
 )
-from hyperloom.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from hyperloom.train.trainer import Trainer
+    from hyperloom.config import JobConfig
+    from hyperloom.parallel.mesh import ParallelMesh
 
 log = logging.getLogger("hyperloom.resilience")
 
 
+class GuardedRun(Protocol):
+    """What the guard needs of the training run it protects (the trainer implements it)."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+
+    @property
+    def mesh(self) -> ParallelMesh: ...
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        ...
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this run resumed from, if any."""
+        ...
+
+    def local_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters (fault drills poison their gradients)."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore everything a verified checkpoint holds (a collective)."""
+        ...
+
+    def data_position(self) -> dict[str, Any]:
+        """Where the training data stands (the data loader's state)."""
+        ...
+
+    def set_data_position(self, position: dict[str, Any]) -> None: ...
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing with one process)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the accelerator's queued work (device-to-host copies of a save)."""
+        ...
+
+
 class Guard:
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        r, c = trainer.cfg.resilience, trainer.cfg.checkpoint
+    def __init__(self, run: GuardedRun) -> None:
+        self.run = run
+        r, c = run.cfg.resilience, run.cfg.checkpoint
         self.cfg = r
-        self.run_dir = Path(trainer.cfg.logging.run_dir)
-        mesh = trainer.mesh
+        self.run_dir = Path(run.cfg.logging.run_dir)
+        mesh = run.mesh
         self.main, self.world = mesh.is_main, mesh.world_size
+        self.lr_scale = 1.0  # lowered by rollbacks (resilience.lr_factor)
         self.events = EventLog(self.run_dir, enabled=self.main)
         self.detector = AnomalyDetector(r.window, r.sigma, r.max_factor, r.warmup)
         self.policy = RecoveryPolicy(
             r.on_anomaly, r.stable_steps, r.max_rollbacks, r.rollback_window
         )
         self.inject = FaultInjector(r.inject, self.run_dir, mesh.global_rank)
-        writer = ShardedCheckpointWriter if c.format == "sharded" else CheckpointWriter
-        self.writer = writer(self.run_dir, c.keep, c.async_save, self._save_failed)
+        self.writer = ckpt.open_writer(
+            c.format, self.run_dir, c.keep, c.async_save, self._save_failed
+        )
         self.watchdog = Watchdog(r.watchdog_s, self.run_dir, mesh.global_rank, self._hung)
         self._pending: tuple[Anomaly, str, int | None] | None = None
 
     # ------------------------------------------------------------------ checks
 
     def inject_grads(self, step: int, loss: torch.Tensor) -> None:
-        params = [p for _, p in self.trainer.pm.local_params()]
-        self.inject.grads(step, params, loss)
+        self.inject.grads(step, self.run.local_parameters(), loss)
 
     def healthy(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Check step `step`'s loss and grad norm; False = do not apply this update."""
@@ -115,7 +161,6 @@ class Guard:
 
     def after_step(self) -> None:
         """Act on a pending rollback or stop; drilled crashes and hangs; heartbeat."""
-        t = self.trainer
         if self._pending is not None:
             anomaly, action, target = self._pending
             self._pending = None
@@ -133,21 +178,22 @@ class Guard:
                 raise TrainingHalted(report)
             assert target is not None
             self._rollback(anomaly, target)
-        self.watchdog.heartbeat(t.step)
-        self.inject.after_step(t.step)
+        step = self.run.step
+        self.watchdog.heartbeat(step)
+        self.inject.after_step(step)
 
     def _rollback(self, anomaly: Anomaly, target: int) -> None:
-        t = self.trainer
-        path = ckpt.checkpoint_root(self.run_dir) / f"step_{target:08d}"
-        past_window = t.loader.state_dict()  # the loader stands just after the bad window
-        t.load_checkpoint(path)
+        run = self.run
+        path = ckpt.checkpoint_dir(self.run_dir, target)
+        past_window = run.data_position()  # the loader stands just after the bad window
+        run.load_checkpoint(path)  # also restores lr_scale, saved with the guard's state
         skipped = anomaly.step - target
-        t.loader.load_state_dict(past_window)
-        t.lr_scale *= self.cfg.lr_factor
+        run.set_data_position(past_window)
+        self.lr_scale *= self.cfg.lr_factor
         abandoned = [
             p for p in ckpt.list_checkpoints(self.run_dir) if ckpt.checkpoint_step(p) > target
         ]
-        t._barrier()  # every rank has read the target before any of it is deleted
+        run.barrier()  # every rank has read the target before any of it is deleted
         if self.main:
             for p in abandoned:
                 shutil.rmtree(p, ignore_errors=True)
@@ -155,12 +201,12 @@ class Guard:
             "rollback",
             f"anomaly at step {anomaly.step} ({anomaly.kind}): back to the stable checkpoint "
             f"of step {target}, skipping the {skipped} batches of steps {target + 1}..."
-            f"{anomaly.step}; learning rate x {t.lr_scale:g}"
+            f"{anomaly.step}; learning rate x {self.lr_scale:g}"
             + (f"; dropped newer checkpoints {[p.name for p in abandoned]}" if abandoned else ""),
             step=anomaly.step,
             target=target,
             skipped_batches=skipped,
-            lr_scale=t.lr_scale,
+            lr_scale=self.lr_scale,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -184,7 +230,7 @@ class Guard:
             meta,
             protect=frozenset() if stable is None else frozenset([stable]),
             after_first_file=self.inject.save_fault(step),
-            synchronize=self.trainer.acc.synchronize,
+            synchronize=self.run.synchronize,
         )
         if wait:
             self.writer.wait()
@@ -192,7 +238,7 @@ class Guard:
         return path
 
     def _committed(self) -> list[int]:
-        return [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(self.run_dir)]
+        return ckpt.committed_steps(self.run_dir)
 
     def _save_failed(self, step: int, exc: BaseException) -> None:
         self.events.emit(
@@ -219,10 +265,10 @@ class Guard:
         return path
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_scale": self.trainer.lr_scale, "detector": self.detector.state_dict()}
+        return {"lr_scale": self.lr_scale, "detector": self.detector.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.lr_scale = state.get("lr_scale", 1.0)
+        self.lr_scale = state.get("lr_scale", 1.0)
         if "detector" in state:
             self.detector.load_state_dict(state["detector"])
 
@@ -234,7 +280,7 @@ class Guard:
         if self.main:
             reason = record_start(self.run_dir, step, self.cfg.max_stalled_restarts)["gave_up"]
         if restart_count() > 0:
-            where = self.trainer.resumed_from
+            where = self.run.resumed_from
             self.events.emit(
                 "restart",
                 f"restart {restart_count()}: resumed from "

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hyperloom import checkpoint as ckpt
 from hyperloom.accelerator import (
     DTYPES,
     configure_host_allocator,
@@ -36,16 +37,8 @@ from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
-from hyperloom.parallel.state import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
-from hyperloom.resilience.sharded import is_sharded, load_sharded_state, sharded_state
-from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.optim import build_optimizer, lr_at
 from hyperloom.train.report import Reporter, write_summary
 
@@ -64,6 +57,8 @@ class RunResult:
 
 
 class Trainer:
+    """One training run; implements resilience's `GuardedRun` for its `Guard`."""
+
     def __init__(self, cfg: JobConfig, data: DataBundle | None = None):
         self.cfg = cfg
         t = cfg.train
@@ -107,7 +102,6 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
-        self.lr_scale = 1.0  # lowered by resilience rollbacks (resilience.lr_factor)
         self.guard = Guard(self)  # anomaly checks, recovery, checkpoint writer, watchdog
 
     def _build_data(self) -> DataBundle:
@@ -119,21 +113,33 @@ class Trainer:
             dist.barrier()
         return bundle
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         if self.mesh.world_size > 1:
             dist.barrier()
+
+    # ------------------------------------------------------------------ GuardedRun
+
+    def local_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.pm.local_params()]
+
+    def data_position(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def set_data_position(self, position: dict[str, Any]) -> None:
+        self.loader.load_state_dict(position)
+
+    def synchronize(self) -> None:
+        self.acc.synchronize()
 
     # ------------------------------------------------------------------ state
 
     def save(self, last_loss: float | None, wait: bool = False) -> Path:
         """Checkpoint (a collective), maybe in the background: `wait` returns only once it is
         committed. Whole tensors the main rank writes, or every rank's shards (sharded)."""
-        sharded = self.cfg.checkpoint.format == "sharded"
-        if sharded:  # model and optimizer tensors both in DCP's state (resilience.sharded)
-            model_state, optimizer = sharded_state(self.pm, self.optimizer), None
-        else:
-            model_state = full_model_state(self.pm)
-            optimizer = full_optimizer_state(self.pm, self.optimizer)
+        fmt = self.cfg.checkpoint.format
+        sharded = fmt == "sharded"
+        # sharded: model and optimizer tensors both in DCP's state, none in train_state.pt
+        model_state, optimizer = ckpt.state_to_save(self.pm, self.optimizer, fmt)
         train_state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -144,7 +150,7 @@ class Trainer:
             "fp8": self._fp8_state(),  # delayed-scaling amax histories and scales
             "resilience": self.guard.state_dict(),  # LR scale after rollbacks, spike stats
         }
-        path = ckpt.checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
+        path = ckpt.checkpoint_dir(self.run_dir, self.step)
         files = {}
         if self.mesh.is_main:
             tok_json = self.run_dir / ".tokenizer.json"
@@ -160,7 +166,7 @@ class Trainer:
                 {"tokens_seen": self.tokens_seen, "loss": last_loss},
                 wait=wait,
             )
-        self._barrier()
+        self.barrier()
         return path
 
     def _fp8_state(self) -> dict[str, torch.Tensor]:
@@ -186,11 +192,7 @@ class Trainer:
         """Restore everything a verified checkpoint holds (also a resilience rollback)."""
         state = ckpt.load_train_state(path)
         try:
-            if is_sharded(path):  # DCP reshards into this layout
-                load_sharded_state(self.pm, self.optimizer, path)
-            else:
-                load_full_model_state(self.pm, ckpt.load_model_state(path))
-                load_full_optimizer_state(self.pm, self.optimizer, state["optimizer"])
+            ckpt.load_state(self.pm, self.optimizer, path, state)  # any layout wrote it
             if self.pm.pipelined:  # each rank loads its chunks' share, by global name
                 self.pm.load_fp8_state_dict(state.get("fp8", {}))
             else:
@@ -243,7 +245,7 @@ class Trainer:
             total += loss.detach()
         self.guard.inject_grads(self.step + 1, total)  # fault drills only
         grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)
-        lr = lr_at(self.step, t) * self.lr_scale
+        lr = lr_at(self.step, t) * self.guard.lr_scale  # lowered by rollbacks
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.guard.healthy(self.step + 1, total, grad_norm):  # else the update is dropped

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from test_parallel_layouts import read_metrics  # this directory is on sys.path
 
-from hyperloom.train import checkpoint as ckpt
+from hyperloom import checkpoint as ckpt
 
 
 def fp8_state(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from hyperloom.accelerator import get_accelerator
-from hyperloom.config import load_config
-from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
-from hyperloom.parallel.mesh import exit_worker
-from hyperloom.parallel.state import (
+from hyperloom.checkpoint.state import (
     full_model_state,
     full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
 )
+from hyperloom.config import load_config
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
+from hyperloom.parallel.mesh import exit_worker
 from hyperloom.train.optim import build_optimizer
 
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 
 from conftest import tiny_job  # noqa: E402
 
+from hyperloom.checkpoint.state import full_model_state, full_optimizer_state  # noqa: E402
 from hyperloom.config import load_config  # noqa: E402
 from hyperloom.parallel.mesh import exit_worker  # noqa: E402
-from hyperloom.parallel.state import full_model_state, full_optimizer_state  # noqa: E402
 from hyperloom.train.trainer import Trainer  # noqa: E402
 
 COMMON = dict(

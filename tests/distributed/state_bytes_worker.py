@@ -10,8 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hyperloom.config import load_config
+from hyperloom.parallel.footprint import local_state_bytes
 from hyperloom.parallel.mesh import exit_worker
-from hyperloom.parallel.state import local_state_bytes
 from hyperloom.train.trainer import Trainer
 
 out_dir = Path(sys.argv[1])

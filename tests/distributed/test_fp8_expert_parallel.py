@@ -104,7 +104,7 @@ def test_cli_fp8_delayed_experts_ep2_checkpoint_resumes(tiny_job_args, jobs_trai
     runs share one launch of the CLI-equivalent `jobs_worker.py`, the one-process run another."""
     import torch
 
-    from hyperloom.train.checkpoint import load_train_state
+    from hyperloom.checkpoint import load_train_state
 
     job = tiny_job_args(tmp_path, **MOE_EP2)
     cases = [("whole", []), ("stopped", ["--train.stop_at_step", "3"]), ("stopped", [])]

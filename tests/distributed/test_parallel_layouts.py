@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import override_args
 
-from hyperloom.train import checkpoint as ckpt
+from hyperloom import checkpoint as ckpt
 
 STEPS = 5
 GLOBAL_BATCH = 8

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperloom import checkpoint as ckpt
+from hyperloom.checkpoint.state import full_model_state, full_optimizer_state
 from hyperloom.config import load_config
-from hyperloom.parallel.state import full_model_state, full_optimizer_state
-from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.trainer import Trainer
 
 COMMON = dict(train__steps=4, checkpoint__every=2, checkpoint__keep=3, checkpoint__format="sharded")

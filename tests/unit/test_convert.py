@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hyperloom import checkpoint as ckpt
 from hyperloom.config import JobConfig, dumps_toml, preset_config
 from hyperloom.models.convert import ConvertError, export_hf, import_hf
 from hyperloom.models.registry import init_model
-from hyperloom.train import checkpoint as ckpt
 
 LLAMA = dict(
     vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64

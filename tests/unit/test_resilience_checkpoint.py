@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hyperloom import checkpoint as ckpt
+from hyperloom.checkpoint import CheckpointWriter
+from hyperloom.checkpoint.sharded import ShardedCheckpointWriter
 from hyperloom.config import load_config
 from hyperloom.data import ResumableLoader
-from hyperloom.resilience.checkpoint import CheckpointWriter
 from hyperloom.resilience.events import json_events
 from hyperloom.resilience.inject import CRASH_EXIT, FaultInjector, WriterCrash
-from hyperloom.resilience.sharded import ShardedCheckpointWriter
-from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.trainer import Trainer
 
 STEPS = 10

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from hyperloom.checkpoint import list_checkpoints
 from hyperloom.config import load_config
 from hyperloom.resilience.events import json_events, read_events
 from hyperloom.resilience.policy import TrainingHalted
-from hyperloom.train.checkpoint import list_checkpoints
 from hyperloom.train.trainer import Trainer
 
 COMMON = dict(

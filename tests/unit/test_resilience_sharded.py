@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperloom import checkpoint as ckpt
+from hyperloom.checkpoint import is_sharded
+from hyperloom.checkpoint.sharded import load_full
 from hyperloom.config import load_config
 from hyperloom.resilience.inject import CRASH_EXIT
-from hyperloom.resilience.sharded import is_sharded, load_full
-from hyperloom.train import checkpoint as ckpt
 from hyperloom.train.trainer import Trainer
 
 STEPS = 10

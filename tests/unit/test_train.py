@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hyperloom.checkpoint import list_checkpoints
 from hyperloom.config import JobConfig, TrainConfig, load_config
 from hyperloom.data import DataError, ResumableLoader
 from hyperloom.models.llama import param_count, training_flops_per_token
 from hyperloom.models.registry import init_model
-from hyperloom.train.checkpoint import list_checkpoints
 from hyperloom.train.optim import lr_at
 from hyperloom.train.trainer import Trainer, causal_lm_loss
 
@@ -350,8 +350,8 @@ def test_periodic_checkpoints_are_pruned_to_keep(tmp_path, tiny_job_args):
 
 
 def test_corrupted_checkpoint_is_refused(trained, tmp_path):
+    from hyperloom.checkpoint import CheckpointError
     from hyperloom.inference import load_for_inference
-    from hyperloom.train.checkpoint import CheckpointError
 
     _, result = trained
     ckpt = tmp_path / "step_00000040"

@@ -11,10 +11,12 @@ to the copy (benchmarks/checkpoint_stall.py).
 
 Choices and their reasons:
 
-- **Format.** The writer keeps hyperloom's whole-tensor, layout-free checkpoint
-  (hyperloom/train/checkpoint.py): the main rank writes tensors that every rank gathered. It
+- **Format.** This writer keeps hyperloom's whole-tensor, layout-free checkpoint
+  (hyperloom.checkpoint.whole): the main rank writes tensors that every rank gathered. It
   loads into any layout and world size; it does not scale to models whose full state does not
-  fit one host, which is where sharded `torch.distributed.checkpoint` saves would take over.
+  fit one host, which is where the sharded writer (hyperloom.checkpoint.sharded, every rank
+  writes its own shards with `torch.distributed.checkpoint`) takes over. Both implement
+  `Writer`, the interface resilience and the trainer save through.
 - **Thread, not process.** File writes and hashing release the GIL, so a thread costs little
   here and needs no shared memory; DCP's PROCESS mode avoids GIL contention for the Python
   parts of large sharded saves.
@@ -33,18 +35,44 @@ Choices and their reasons:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from hyperloom.train import checkpoint as ckpt
+from hyperloom.checkpoint.layout import CheckpointError, checkpoint_dir
+from hyperloom.checkpoint.whole import save_checkpoint
 
-log = logging.getLogger("hyperloom.resilience")
+
+class Writer(Protocol):
+    """Saves checkpoints of one run directory, one at a time, maybe in the background.
+
+    `save` returns the final `step_N/` path, committed only once `wait` has returned without
+    error; a failed save is handed to `on_failure(step, exc)` (or raised as CheckpointError
+    when there is none) at the next `save` or `wait`."""
+
+    stall_s: list[float]  # time the training thread spent in each save
+    last_committed: Path | None
+
+    def save(
+        self,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        train_state: dict[str, Any],
+        extra_files: dict[str, str | bytes],
+        meta: dict[str, Any],
+        protect: frozenset[int] = frozenset(),
+        after_first_file: Callable[[], None] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> Path: ...
+
+    def wait(self) -> None: ...
+
+    @property
+    def in_flight(self) -> bool: ...
 
 
 def stage(obj: Any, pin: bool = False) -> Any:
@@ -66,7 +94,8 @@ def stage(obj: Any, pin: bool = False) -> Any:
 
 
 class CheckpointWriter:
-    """Saves checkpoints synchronously or in one background thread, with the same bytes."""
+    """The whole-format `Writer`: saves synchronously or in one background thread, with the
+    same bytes."""
 
     def __init__(
         self,
@@ -113,11 +142,11 @@ class CheckpointWriter:
             self._write(step, args, after_first_file)
             self._raise_pending()
         self.stall_s.append(time.perf_counter() - start)
-        return ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+        return checkpoint_dir(self.run_dir, step)
 
     def _write(self, step: int, args: tuple, after_first_file) -> None:
         try:
-            self.last_committed = ckpt.save_checkpoint(*args, after_first_file=after_first_file)
+            self.last_committed = save_checkpoint(*args, after_first_file=after_first_file)
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self._error = (step, exc)
 
@@ -136,7 +165,7 @@ class CheckpointWriter:
         if self.on_failure is not None:
             self.on_failure(step, exc)
         else:
-            raise ckpt.CheckpointError(f"saving the checkpoint of step {step} failed: {exc}")
+            raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}")
 
     @property
     def in_flight(self) -> bool:

@@ -1,7 +1,7 @@
 """Sharded checkpoints through `torch.distributed.checkpoint` (DCP): every rank writes its own.
 
-`checkpoint.format = "sharded"` replaces the whole-tensor checkpoint (hyperloom/train/
-checkpoint.py: every rank gathers full tensors, the main rank writes one safetensors file)
+`checkpoint.format = "sharded"` replaces the whole-tensor checkpoint (hyperloom.checkpoint.
+whole: every rank gathers full tensors, the main rank writes one safetensors file)
 with one where each rank writes only what it holds, so a save costs no gather and no rank
 needs room for the whole model.
 
@@ -45,7 +45,7 @@ expects an empty directory. We keep the protocol of the whole format around it:
 4. only if every rank succeeded, the main rank writes `train_state.pt`, `config.toml`,
    `tokenizer.json`, hashes those and DCP's `.metadata`, writes `meta.json` (the manifest)
    last, renames `step_N.tmp/` to `step_N/`, fsyncs the parent and prunes to the newest
-   `checkpoint.keep` (train/checkpoint.py `commit`, shared with the whole format);
+   `checkpoint.keep` (hyperloom.checkpoint.commit, shared with the whole format);
 5. the main rank tells every rank whether it committed, so a failure is reported everywhere.
 
 A rank killed anywhere before step 4 leaves `step_N.tmp/`, which is never loaded; "latest"
@@ -71,11 +71,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from hyperloom.checkpoint.commit import commit, hash_files, write_files
+from hyperloom.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_dir,
+    fresh_staging_dir,
+    staging_dir,
+)
+from hyperloom.checkpoint.state import optimizer_params, per_param_state
+from hyperloom.checkpoint.writer import CheckpointWriter
 from hyperloom.models.shard import shard_of
 from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.zero1 import ZeroOneAdamW
-from hyperloom.resilience.checkpoint import CheckpointWriter
-from hyperloom.train import checkpoint as ckpt
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
 
@@ -84,11 +91,6 @@ MODEL, OPTIMIZER = "model/", "optimizer/"
 warnings.filterwarnings(
     "ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning
 )
-
-
-def is_sharded(path: Path) -> bool:
-    """A checkpoint directory written by DCP (the sharded format)."""
-    return (Path(path) / ".metadata").is_file()
 
 
 # --------------------------------------------------------------------------- layout
@@ -147,18 +149,6 @@ def _fill(dst: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _optimizer_params(opt) -> list[torch.nn.Parameter]:
-    if isinstance(opt, ZeroOneAdamW):
-        return opt.params
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-def _per_param_state(opt) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
-    if isinstance(opt, ZeroOneAdamW):
-        return opt.state_by_param()  # a collective over dp
-    return {p: opt.state.get(p, {}) for p in _optimizer_params(opt)}
-
-
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).cpu()
 
@@ -172,7 +162,7 @@ def sharded_state(pm: ParallelModel, opt) -> dict[str, torch.Tensor]:
     out = {f"{MODEL}{name}": lay.global_view(p, p) for name, p in pm.state_params()}
     names = {id(p): (n, p) for n, p in pm.local_params()}
     reported = {id(p) for _, p in pm.state_params()}
-    for p, st in _per_param_state(opt).items():
+    for p, st in per_param_state(opt).items():
         if id(p) not in reported:  # another copy of this parameter reports it
             continue
         name, param = names[id(p)]
@@ -228,7 +218,7 @@ def load_sharded_state(pm: ParallelModel, opt, path: Path) -> None:
     # Load targets laid out for this rank, then copied into every parameter copy.
     targets = {MODEL + name: lay.empty_like(p) for name, (p, *_) in copies.items()}
     names, in_ckpt = {id(p): n for n, p in pm.local_params()}, _moment_keys(saved)
-    moments = {p: in_ckpt.get(names[id(p)], {}) for p in _optimizer_params(opt)}
+    moments = {p: in_ckpt.get(names[id(p)], {}) for p in optimizer_params(opt)}
     for p, keys in moments.items():
         if not keys and isinstance(opt, ZeroOneAdamW):
             raise KeyError(f"optimizer state has no entry for {names[id(p)]}")
@@ -348,13 +338,13 @@ class ShardedCheckpointWriter(CheckpointWriter):
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         if self.rank == 0:
-            ckpt.fresh_staging_dir(self.run_dir, step)
+            fresh_staging_dir(self.run_dir, step)
             buf = io.BytesIO()
             torch.save(train_state, buf)  # small; serialised now, before training moves on
             extra_files = {**extra_files, "train_state.pt": buf.getvalue()}
         if self.distributed:
             dist.barrier(group=self.group)  # the directory exists and is empty
-        writer = _ShardWriter(ckpt.staging_dir(self.run_dir, step), after_first_file)
+        writer = _ShardWriter(staging_dir(self.run_dir, step), after_first_file)
         kw = dict(storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
         finish = (step, extra_files, meta, protect)
         if self.async_save:
@@ -370,7 +360,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
             self._finish(lambda: dcp.save(model_state, **kw), *finish)
             self._raise_pending()
         self.stall_s.append(time.perf_counter() - start)
-        return ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+        return checkpoint_dir(self.run_dir, step)
 
     def _finish(
         self,
@@ -381,13 +371,13 @@ class ShardedCheckpointWriter(CheckpointWriter):
         protect: frozenset[int],
     ) -> None:
         """Steps 2-5 of the protocol (module doc), on every rank."""
-        tmp = ckpt.staging_dir(self.run_dir, step)
+        tmp = staging_dir(self.run_dir, step)
         error: BaseException | None = None
         hashes: dict[str, str] = {}
         try:
             upload()  # a rank's failure inside DCP's write fails it on every rank
             # Each rank hashes the shard files it wrote (in parallel); the main rank the rest.
-            hashes = ckpt.hash_files(tmp, f"__{self.rank}_*.distcp")
+            hashes = hash_files(tmp, f"__{self.rank}_*.distcp")
         except BaseException as exc:  # noqa: BLE001 - agreed on below, then reported
             error = _first_failure(exc)
         reports = self._gather((error is None, hashes))
@@ -395,22 +385,22 @@ class ShardedCheckpointWriter(CheckpointWriter):
         if self.rank == 0 and error is None:
             failed = [r for r, (ok, _) in enumerate(reports) if not ok]
             if failed:
-                error = ckpt.CheckpointError(f"ranks {failed} did not finish writing their shards")
+                error = CheckpointError(f"ranks {failed} did not finish writing their shards")
             else:
                 try:
                     for _, h in reports:
                         hashes.update(h)
-                    hashes.update(ckpt.write_files(tmp, files))
-                    hashes.update(ckpt.hash_files(tmp, skip=hashes))  # DCP's .metadata
-                    committed = ckpt.commit(self.run_dir, step, hashes, meta, self.keep, protect)
+                    hashes.update(write_files(tmp, files))
+                    hashes.update(hash_files(tmp, skip=hashes))  # DCP's .metadata
+                    committed = commit(self.run_dir, step, hashes, meta, self.keep, protect)
                 except BaseException as exc:  # noqa: BLE001 - told to every rank below
                     error = exc
         if not self._gather(committed is not None)[0] and error is None:
-            error = ckpt.CheckpointError("the main rank did not commit it")
+            error = CheckpointError("the main rank did not commit it")
         if error is not None:
             self._error = (step, error)
         else:
-            self.last_committed = ckpt.checkpoint_root(self.run_dir) / f"step_{step:08d}"
+            self.last_committed = checkpoint_dir(self.run_dir, step)
 
     def _gather(self, value: Any) -> list[Any]:
         if not self.distributed:

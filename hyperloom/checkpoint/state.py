@@ -1,11 +1,11 @@
 """Layout-free model and optimizer state: gather shards to full tensors, slice them back.
 
-A checkpoint holds every tensor whole and keyed by parameter name, so it loads into any
-layout (tp, dp, ep, zero, world size) and into a single process: loading slices each tensor
-for the rank's tensor-parallel shard (or its experts, under ep) and, under FSDP, distributes
-it over dp. Gathering costs a
-full copy on every rank — fine for the models this release trains; the resilience work
-replaces it with sharded `torch.distributed.checkpoint` saves that reshard on load.
+The whole format (hyperloom.checkpoint.whole) holds every tensor whole and keyed by
+parameter name, so it loads into any layout (tp, dp, ep, zero, world size) and into a single
+process: loading slices each tensor for the rank's tensor-parallel shard (or its experts,
+under ep) and, under FSDP, distributes it over dp. Gathering costs a full copy on every
+rank -- fine for the models this release trains; the sharded format
+(hyperloom.checkpoint.sharded) writes each rank's pieces instead and reshards on load.
 
 Optimizer state is stored by parameter name too (`{"state": {name: {...}}}`), not by the
 position of the parameter in the optimizer, which a different layout may change.
@@ -72,10 +72,19 @@ def _names(pm: ParallelModel) -> dict[int, tuple[str, nn.Parameter]]:
     return {id(p): (n, p) for n, p in pm.local_params()}
 
 
-def _per_param_state(opt) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+def optimizer_params(opt) -> list[nn.Parameter]:
+    """The parameters `opt` updates (ZeRO-1 keeps them outside its param groups)."""
     if isinstance(opt, ZeroOneAdamW):
-        return opt.state_by_param()  # a collective over dp
-    return {p: opt.state.get(p, {}) for group in opt.param_groups for p in group["params"]}
+        return opt.params
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def per_param_state(opt) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state, shaped like the parameter (a collective over dp
+    under ZeRO-1, whose moments live in one flat buffer)."""
+    if isinstance(opt, ZeroOneAdamW):
+        return opt.state_by_param()
+    return {p: opt.state.get(p, {}) for p in optimizer_params(opt)}
 
 
 def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
@@ -83,7 +92,7 @@ def full_optimizer_state(pm: ParallelModel, opt) -> dict[str, Any]:
     by_id = _names(pm)
     reported = {id(p) for _, p in pm.state_params()}
     out: dict[str, Any] = {}
-    for p, st in _per_param_state(opt).items():
+    for p, st in per_param_state(opt).items():
         name, param = by_id[id(p)]
         if id(p) not in reported:  # another copy of this parameter reports it
             continue
@@ -127,25 +136,3 @@ def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> 
                 else:
                     entry[k] = _place(v, p, shard)
             opt.state[p] = entry
-
-
-def local_state_bytes(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer moments (step counters
-    excluded): what the layout promises to divide, measured rather than assumed."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    params = list(pm.inner.parameters())
-    if isinstance(opt, ZeroOneAdamW):
-        moments, master = [opt.exp_avg, opt.exp_avg_sq], nbytes(opt.master)
-    else:  # the parameters are the FP32 master weights
-        moments = [v for p in params for v in opt.state.get(p, {}).values() if v.dim() > 0]
-        master = sum(nbytes(p) for p in params)
-    return {
-        "params": sum(nbytes(p) for p in params),
-        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(nbytes(v) for v in moments),
-        "master": master,
-    }

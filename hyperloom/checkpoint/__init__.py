@@ -1,0 +1,122 @@
+"""Saving and loading a training run: one home for both checkpoint formats.
+
+- `layout`: where checkpoints live (`RUN_DIR/checkpoints/step_N/`), which ones count, how a
+  path given by the user resolves; no torch;
+- `commit`: the commit protocol (`step_N.tmp/` -> `step_N/`, `meta.json` with the SHA-256
+  manifest written last), pruning, verification, the newest checkpoint that verifies;
+- `whole`: the whole-tensor format (safetensors weights + `train_state.pt`);
+- `sharded`: the sharded format (`torch.distributed.checkpoint`, every rank writes its own
+  pieces, loading reshards) and its writer;
+- `state`: layout-free model and optimizer state for the whole format (gather, slice back);
+- `rng`: every random stream; `writer`: the `Writer` interface, staging and async saves.
+
+This module is the interface the trainer, resilience, inference and the converters use; the
+sharded format's modules (DCP, the parallel layout) are imported only when they are needed,
+so reading a whole checkpoint stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hyperloom.checkpoint.commit import latest_verified, verify_checkpoint
+from hyperloom.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_root,
+    checkpoint_step,
+    committed_steps,
+    is_sharded,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+    staging_dir,
+)
+from hyperloom.checkpoint.rng import restore_rng, rng_state
+from hyperloom.checkpoint.whole import load_train_state, load_weights, save_checkpoint
+from hyperloom.checkpoint.writer import CheckpointWriter, Writer
+
+if TYPE_CHECKING:
+    from hyperloom.parallel.layout import ParallelModel
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriter",
+    "Writer",
+    "checkpoint_dir",
+    "checkpoint_root",
+    "checkpoint_step",
+    "committed_steps",
+    "is_sharded",
+    "latest_checkpoint",
+    "latest_verified",
+    "list_checkpoints",
+    "load_model_state",
+    "load_state",
+    "load_train_state",
+    "open_writer",
+    "resolve_checkpoint",
+    "restore_rng",
+    "rng_state",
+    "save_checkpoint",
+    "staging_dir",
+    "state_to_save",
+    "verify_checkpoint",
+]
+
+
+def open_writer(
+    fmt: str,
+    run_dir: str | os.PathLike,
+    keep: int,
+    async_save: bool,
+    on_failure: Callable[[int, BaseException], None] | None = None,
+) -> Writer:
+    """The writer of checkpoint format `fmt` ("whole" or "sharded"; `checkpoint.format`).
+    A sharded writer makes the process group of its saves: open it on every rank alike."""
+    if fmt == "sharded":
+        from hyperloom.checkpoint.sharded import ShardedCheckpointWriter
+
+        return ShardedCheckpointWriter(Path(run_dir), keep, async_save, on_failure)
+    return CheckpointWriter(Path(run_dir), keep, async_save, on_failure)
+
+
+def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole weights, from either format (a sharded one is read in this process alone)."""
+    if is_sharded(ckpt):
+        from hyperloom.checkpoint.sharded import load_full
+
+        return load_full(ckpt)[0]
+    return load_weights(ckpt)
+
+
+def state_to_save(pm: ParallelModel, opt, fmt: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """(model state, optimizer state) to save in format `fmt` (a collective): the whole format
+    gathers both whole; the sharded one puts this rank's model and optimizer pieces in DCP's
+    state and leaves nothing for `train_state.pt` (None)."""
+    if fmt == "sharded":
+        from hyperloom.checkpoint.sharded import sharded_state
+
+        return sharded_state(pm, opt), None
+    from hyperloom.checkpoint.state import full_model_state, full_optimizer_state
+
+    return full_model_state(pm), full_optimizer_state(pm, opt)
+
+
+def load_state(pm: ParallelModel, opt, ckpt: Path, train_state: dict[str, Any]) -> None:
+    """Load a checkpoint's model and optimizer state into this rank's layout, whatever
+    layout wrote it (a collective); `train_state` is its `load_train_state`."""
+    if is_sharded(ckpt):  # DCP reshards into this layout
+        from hyperloom.checkpoint.sharded import load_sharded_state
+
+        load_sharded_state(pm, opt, ckpt)
+        return
+    from hyperloom.checkpoint.state import load_full_model_state, load_full_optimizer_state
+
+    load_full_model_state(pm, load_weights(ckpt))
+    load_full_optimizer_state(pm, opt, train_state["optimizer"])

@@ -1,0 +1,93 @@
+"""The whole-tensor checkpoint format: atomic, self-describing, resumable bit for bit.
+
+A checkpoint directory `RUN_DIR/checkpoints/step_00000300/` holds
+
+- `model.safetensors`: the FP32 weights, Hugging-Face-style safetensors (readable by others);
+- `train_state.pt`: optimizer state, step, data-loader position, every RNG stream;
+- `config.toml`: the resolved job config; `tokenizer.json`: the tokenizer;
+- `meta.json`: step, tokens seen, last loss, and SHA-256 of each file above.
+
+Every tensor is whole and keyed by name (hyperloom.checkpoint.state gathers and slices
+them), so it loads into any layout and into one process; the main rank writes it. It is
+written into `step_….tmp/` and published by the commit protocol (hyperloom.checkpoint.commit):
+`meta.json` last, then the rename. The sharded format (hyperloom.checkpoint.sharded) keeps
+`train_state.pt` and the other small files as they are here and replaces the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+from hyperloom.checkpoint.commit import commit, write_files
+from hyperloom.checkpoint.layout import fresh_staging_dir
+
+WEIGHTS = "model.safetensors"
+TRAIN_STATE = "train_state.pt"
+
+
+class _HashingWriter:
+    """A binary file that also feeds what is written to a SHA-256."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    extra_files: dict[str, str | bytes],
+    meta: dict[str, Any],
+    keep: int,
+    protect: frozenset[int] = frozenset(),
+    after_first_file: Callable[[], None] | None = None,
+) -> Path:
+    """Write a complete checkpoint atomically and prune to the newest `keep`.
+
+    Checkpoints at the steps in `protect` (the last stable one) survive pruning.
+    `after_first_file` runs once the weights are on disk (a drill kills the process there).
+    """
+    tmp = fresh_staging_dir(run_dir, step)
+    # safetensors wants contiguous tensors that do not share storage (the caller's copies:
+    # hyperloom.checkpoint.writer.stage). Each file is hashed as it is written and
+    # fsynced, rather than read back for its SHA-256 afterwards.
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+    hashes = write_files(tmp, {WEIGHTS: save(tensors)})
+    if after_first_file is not None:
+        after_first_file()
+    with (tmp / TRAIN_STATE).open("wb") as f:
+        hashing = _HashingWriter(f)
+        torch.save(train_state, hashing)
+        f.flush()
+        os.fsync(f.fileno())
+    hashes[TRAIN_STATE] = hashing.sha256.hexdigest()
+    hashes.update(write_files(tmp, extra_files))
+    return commit(run_dir, step, hashes, meta, keep, protect)
+
+
+def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The weights of a whole-format checkpoint."""
+    return load_file(str(ckpt / WEIGHTS))
+
+
+def load_train_state(ckpt: Path) -> dict[str, Any]:
+    """`train_state.pt` (both formats): optimizer state of the whole format, step, loader
+    position, RNG streams, FP8 scaling and resilience state."""
+    # Our own file with numpy RNG state inside, hence weights_only=False; integrity was
+    # checked against meta.json first.
+    return torch.load(ckpt / TRAIN_STATE, weights_only=False)

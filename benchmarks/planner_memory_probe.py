@@ -5,7 +5,8 @@ pre-model baseline. This probe runs the same trainer for one layout of
 `planner_validation.py` and, per rank, records beside VmHWM glibc's live bytes (`mallinfo2`:
 heap chunks in use plus mmapped chunks) polled every 0.1 ms through the last step, and
 the live bytes between steps; the gap between the two peaks is what the allocator keeps
-resident (`hyperloom/planner/host_memory.py`). Results in docs/planner.md section 4.
+resident (`hyperloom/planner/host_memory.py`; the trainer set-up is `hyperloom/train/probe.py`'s).
+Results in docs/planner.md section 4.
 
     python benchmarks/planner_memory_probe.py --layout tp2 [--steps 4] [--out FILE]
     python benchmarks/planner_memory_probe.py --layout all     # every layout, one table
@@ -35,7 +36,8 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
 
     from hyperloom.accelerator import peak_rss_bytes, reset_peak_rss
     from hyperloom.config import load_config
-    from hyperloom.planner.host_memory import LivePoller, live_heap_bytes, trainer_at_live_baseline
+    from hyperloom.planner.host_memory import LivePoller, live_heap_bytes
+    from hyperloom.train.probe import trainer_at_live_baseline
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = out.parent / f"{out.stem}-run"
@@ -78,12 +80,12 @@ def _rank(layout: str, overrides: list[str], steps: int, out: Path) -> None:
 def predicted_live_bytes(nproc: int, overrides: list[str]) -> float:
     """The memory model's live peak (max over ranks) for the layout, no allocator terms."""
     from hyperloom.config import load_config
-    from hyperloom.planner.hardware import Accelerator
+    from hyperloom.planner.hardware import HardwareProfile
     from hyperloom.planner.selfcheck import CPU_PROFILE, self_check
 
     job = load_config(HERE.parent / "configs" / "tiny.toml", overrides, world_size=nproc)
-    neutral = Accelerator(CPU_PROFILE, bf16_tflops=1.0, fp8_tflops=0.0, hbm_gib=1024.0,
-                          hbm_gbs=1.0, gemm_eff=1.0)  # fmt: skip
+    neutral = HardwareProfile(CPU_PROFILE, bf16_tflops=1.0, fp8_tflops=0.0, hbm_gib=1024.0,
+                              hbm_gbs=1.0, gemm_eff=1.0)  # fmt: skip
     return self_check(job, neutral, nproc, None, None)["predicted_live_memory_gb"] * 1e9
 
 

@@ -288,6 +288,14 @@ def _short(n: int) -> str:
     return str(n)
 
 
+def _runtime_memory(micro_batch: int, policy: str) -> dict:
+    """The trainer's memory probe for `plan calibrate`: the planner fits what our own
+    training loop measures, and is handed it here because it never imports the trainer."""
+    from hyperloom.train.probe import measure_runtime_memory
+
+    return measure_runtime_memory(micro_batch, policy)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(*_split_config_args(args), world_size=args.nproc)
     print(dumps_toml(cfg), end="")
@@ -353,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_model_info)
 
     add_schedule_parser(sub)
-    add_plan_parser(sub)
+    add_plan_parser(sub, runtime_memory=_runtime_memory)
     add_drill_parser(sub)
 
     p = sub.add_parser("config", help="configuration")

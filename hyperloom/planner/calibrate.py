@@ -16,7 +16,7 @@ runs it -- not a microbenchmark's best case:
   layer-sized input, timed against the bytes the planner's layer model counts for them
   (`model.build_layer`), giving ``elementwise_eff`` relative to the copy. They allocate
   fresh outputs and compute transcendentals, so on a CPU they reach a fraction of a copy's
-  bandwidth (0.2-0.4 in the calibrations on the development container);
+  bandwidth;
 - the host's fixed cost per transformer layer (`measure_layer_overhead`: Python, dispatcher,
   autograd, launches), as ``layer_overhead_s``;
 - attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
@@ -34,7 +34,7 @@ runs it -- not a microbenchmark's best case:
   no scale-out link to measure, so the profile's NIC figures copy the scale-up ones: state
   the real NIC with --inter-gbs when planning across machines.
 
-The profile is the same `Accelerator` dataclass as the built-ins, saved as JSON with the raw
+The profile is the same `HardwareProfile` dataclass as the built-ins, saved as JSON with the raw
 measurements alongside; `--accelerator path.json` uses it.
 """
 
@@ -50,14 +50,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hyperloom.accelerator import DTYPES, configure_host_allocator
 from hyperloom.accelerator import get_accelerator as get_device
-from hyperloom.planner.hardware import GIB, Accelerator, save_profile
-from hyperloom.planner.host_memory import standalone_env
+from hyperloom.planner.hardware import GIB, HardwareProfile, save_profile
+from hyperloom.planner.host_memory import (
+    RUNTIME_BATCHES,
+    RuntimeMemoryProbe,
+    fit_runtime_memory,
+    in_fresh_process,
+    standalone_env,
+)
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -98,9 +105,7 @@ def measure_gemms(
 
     Each shape is timed in `rounds` rounds over all shapes (the median of `runs` calls per
     form and round), and keeps its median round: a burst of other work on the machine lands
-    in one round of a few shapes, not in every run of one shape. With one round, such a
-    burst once halved three shapes' figures and put a validation's one-process prediction
-    25% high."""
+    in one round of a few shapes, not in every run of one shape."""
     cases = []
     for m, n, k in shapes:
         x = torch.randn(m, k, device=acc.device).to(dtype)
@@ -137,7 +142,7 @@ def measure_elementwise(
     planner's layer model charges them: 4 B per element per RMSNorm, 6 per residual add, 6 per
     SwiGLU output element, 4 per RoPE'd element, each forward, x3 for forward + backward; and
     apart from them (``cast_gbs``), an activation's cast to BF16 and back, as autocast runs
-    it before each linear (on this CPU slower than any of the fused kernels)."""
+    it before each linear (eager and unfused: on CPUs slower than the fused kernels)."""
     from hyperloom.engine import ops
 
     dev = acc.device
@@ -179,16 +184,13 @@ def measure_layer_overhead(acc, dtype: torch.dtype, runs: int = 31) -> float:
     accounts for: our Llama at a size where the arithmetic is negligible (dim 64, 16 tokens)
     with 1 and with 3 layers, the difference halved (embedding, head, loss and the backward's
     set-up cancel). On a GPU this is the host's launch path, on a CPU the dispatcher, autograd
-    and Python between kernels (1.7-2.4 ms on the development container).
+    and Python between kernels.
 
     The two models' steps alternate and each keeps its fastest: host work only gets slower
-    when something else takes the core, and a 2 ms difference drowned when the two were
-    timed one after the other on a loaded machine (it came out 0 while two training runs
-    shared the CPU). On a CPU the steps run on one thread: the host path is one thread's work
-    anyway (these tensors are below PyTorch's parallel grain), and a second thread only adds
-    its barrier, which a busy neighbour stretches -- with the default two threads beside
-    three busy processes, four measurements gave 1.6-142 ms (and, in a test run under CI load,
-    0); on one thread with 31 rounds, 2.0-6.1 ms (quiet: 1.1-1.9 ms)."""
+    when something else takes the core, and timing one model after the other on a loaded
+    machine can drown the difference. On a CPU the steps run on one thread: the host path is
+    one thread's work anyway (these tensors are below PyTorch's parallel grain), and a second
+    thread only adds its barrier, which a busy neighbour stretches."""
     from hyperloom.config import ModelConfig
     from hyperloom.models.registry import init_model
 
@@ -342,16 +344,14 @@ def _fit_line(sizes: list[int], times: list[float]) -> tuple[float, float]:
 def measure_collectives(kind: str, world: int, sizes: list[int]) -> dict:
     """All-reduce, reduce-scatter and all-gather times over `world` local ranks: the
     all-reduce fitted to the ring model (bandwidth and latency), the other two as factors on
-    the ring model's bandwidth term (gloo's are no rings: reduce-scatter 3.3-5.8x and
-    all-gather 0.9-2.4x over the calibrations on the development container's loopback).
+    the ring model's bandwidth term (gloo's are no rings).
 
     Those come from each call's best time with the ranks idle and in step. On CPU each call is
     also timed as a training step issues it, after a few milliseconds of compute on every rank
     (`IN_STEP_RUNS`): the mean there is longer by what the first rank to arrive waits for the
     other to be scheduled and finish (the ranks share the cores). ``wait_us``, the median
-    excess over every kind and size, becomes the profile's ``collective_wait_us``. On the
-    development container the best 64 KiB all-reduce took 0.15-0.3 ms, the in-step mean
-    1.5-3 ms; without it the planner put tp2's collectives at a third of the measured time.
+    excess over every kind and size, becomes the profile's ``collective_wait_us``: on a small
+    CPU it is several times a small collective's isolated time.
 
     The ranks are fresh interpreters (not multiprocessing children), so measuring works the
     same whatever script or module started the parent. They get an environment without the
@@ -428,28 +428,38 @@ def calibrate(
     quick: bool = False,
     collectives: bool = True,
     host_allocator: str = "cache",
-    progress=None,
-) -> tuple[Accelerator, dict]:
+    progress: Callable[[str], None] | None = None,
+    runtime_memory: RuntimeMemoryProbe | None = None,
+) -> tuple[HardwareProfile, dict]:
     """Measure this machine; returns the profile and the raw measurements. On CPU the
     measurements run under `host_allocator` (`accelerator.configure_host_allocator`), the
     policy of the training runs the profile is for, and with every core: a CPU profile is the
     whole machine, of which a job's rank gets its share (`selfcheck.cpu_share`) -- also when
     the calibration runs inside a rank that trained with fewer threads (the training
     self-check), whose thread count is restored afterwards. `progress(text)`, if given, hears
-    which measurement starts (the whole takes a minute or more on a small CPU)."""
+    which measurement starts (the whole takes a minute or more on a small CPU).
+    `runtime_memory` measures training runs for the host-memory fit on CPU
+    (`host_memory.fit_runtime_memory`); without it that fit is left at 0."""
+    args = (device, dtype, quick, collectives, host_allocator, progress, runtime_memory)
     if get_device(device).kind != "cpu":
-        return _calibrate(device, dtype, quick, collectives, host_allocator, progress)
+        return _calibrate(*args)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or threads)
     try:
-        return _calibrate(device, dtype, quick, collectives, host_allocator, progress)
+        return _calibrate(*args)
     finally:
         torch.set_num_threads(threads)
 
 
 def _calibrate(
-    device: str, dtype: str, quick: bool, collectives: bool, host_allocator: str, progress
-) -> tuple[Accelerator, dict]:
+    device: str,
+    dtype: str,
+    quick: bool,
+    collectives: bool,
+    host_allocator: str,
+    progress: Callable[[str], None] | None,
+    runtime_memory: RuntimeMemoryProbe | None,
+) -> tuple[HardwareProfile, dict]:
     """`calibrate`'s measurements, at the thread count the caller set."""
     say = progress or (lambda text: None)
     acc = get_device(device)
@@ -479,10 +489,8 @@ def _calibrate(
     if quick:
         elementwise = measure_elementwise(acc, dt, *elem, runs=5)
     else:
-        # The same kernels ran up to 2x apart in different fresh processes on the 2-core
-        # development VM (repeating to 5% within one): the median of three processes.
-        from hyperloom.planner.host_memory import in_fresh_process
-
+        # Fresh processes differ more than repeats within one (each its own heap and pages):
+        # the median of three processes.
         tries = [
             in_fresh_process(
                 "hyperloom.planner.calibrate._elementwise_entry",
@@ -516,11 +524,9 @@ def _calibrate(
         "attention_tflops": [{"seq": q, "forward": f, "backward": b} for q, f, b in attn],
     }
     host_fixed, host_churn = 0.0, 0.0
-    if cpu:
-        from hyperloom.planner.host_memory import RUNTIME_BATCHES, measure_runtime_memory
-
+    if cpu and runtime_memory is not None:
         say(f"resident memory of a training process (micro-batches {RUNTIME_BATCHES})")
-        fit = measure_runtime_memory(policy=host_allocator)
+        fit = fit_runtime_memory([runtime_memory(b, host_allocator) for b in RUNTIME_BATCHES])
         raw["runtime_memory"] = fit
         if fit:
             host_fixed, host_churn = fit["fixed_bytes"], fit["churn_factor"]
@@ -535,7 +541,7 @@ def _calibrate(
         link = {"intra_gbs": coll["busbw_gbs"], "intra_latency_us": coll["alpha_us"]}
         wait_us = coll.get("wait_us", 0.0)
         coll_scale = tuple(sorted(coll["scale"].items()))
-    profile = Accelerator(
+    profile = HardwareProfile(
         name=f"calibrated-{acc.kind}",
         bf16_tflops=peak,
         fp8_tflops=0.0,
@@ -566,7 +572,8 @@ def _calibrate(
     return profile, raw
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
+def cmd_calibrate(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None) -> int:
+    """`hyperloom plan calibrate`: measure, save the profile to ``--out``, print a summary."""
     from rich.console import Console
 
     console = Console()
@@ -577,7 +584,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             console.log(text)
 
         profile, raw = calibrate(
-            quick=args.quick, host_allocator=args.host_allocator, progress=progress
+            quick=args.quick,
+            host_allocator=args.host_allocator,
+            progress=progress,
+            runtime_memory=runtime_memory,
         )
     path = save_profile(profile, args.out, raw)
     console.print(

@@ -1,36 +1,45 @@
-"""`hyperloom plan`: predict one layout from a job config, or search the layouts for a model.
+"""`hyperloom plan`: predict one layout, search the layouts, or calibrate this machine.
 
-    hyperloom plan CONFIG.toml [--section.key value ...] [--schedule K --vpp V --recompute R
-                   --fp8] [--gpus N] [--search]
-    hyperloom plan --model llama3-70b --gpus 1024 --accelerator h100 --global-batch 1024
-                   --seq 8192 [--top 10] [--fix tp=8,pp=4/8] [--json F] [--png-prefix P]
+    hyperloom plan predict CONFIG.toml [--section.key value ...] [--schedule K --vpp V
+                   --recompute R --fp8 --dispatcher D] [--gpus N]
+    hyperloom plan search --model llama3-70b --gpus 1024 --accelerator h100
+                   --global-batch 1024 --seq 8192 [--top 10] [--fix tp=8,pp=4/8]
+    hyperloom plan search CONFIG.toml [--section.key value ...] [--fix ...]
     hyperloom plan calibrate [--out profile.json] [--quick]
 
-With CONFIG the planner reads the same TOML (and dotted overrides) as `hyperloom train`, takes
-the layout from [parallel], the micro-batch size and count from [train] and the sequence
-length from [data], and predicts that one layout; the schedule kind, chunks per rank,
-recompute policy and FP8 (not job fields yet) come from the flags. The config is read without
-the trainer's "not built yet" checks, so layouts the trainer cannot run yet can be planned.
-With --model it searches (`search.py`); --fix pins dimensions (``/`` separates several
-values). --json writes every plan, --png-prefix writes PREFIX_memory.png,
-PREFIX_timeline.png and (search) PREFIX_top.png. `calibrate` measures this machine
-(`calibrate.py`) and saves a profile that --accelerator accepts.
+`predict` reads the same TOML (and dotted overrides) as `hyperloom train`, takes the layout
+from [parallel], the micro-batch size and count from [train] and the sequence length from
+[data] (`Strategy.from_job`), and predicts that one layout; the schedule kind, chunks per
+rank and FP8 come from the job unless a flag says otherwise, the recompute policy (no job
+key) from --recompute. The config is
+read without the trainer's "not built yet" checks, so layouts the trainer cannot run yet can
+be planned. `search` searches the layouts of a model preset, or of a job's model, GPU count
+and batch (`search.py`); --fix pins dimensions (``/`` separates several values). --json
+writes every plan, --png-prefix writes PREFIX_memory.png, PREFIX_timeline.png and (search)
+PREFIX_top.png. `calibrate` measures this machine (`calibrate.py`) and saves a profile that
+--accelerator accepts. Without a subcommand, `hyperloom plan CONFIG` predicts (or searches,
+with --search) and `hyperloom plan --model ...` searches.
 
-`add_plan_parser(subparsers)` registers the command; `PlanError` is its user error.
+`add_plan_parser(subparsers, runtime_memory)` registers the command; `runtime_memory` is the
+trainer's memory probe that `calibrate` fits on (the planner never imports the trainer).
+`PlanError` is its user error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import typing
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from rich.console import Console
 
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import ACCELERATORS, Cluster, get_accelerator
+from hyperloom.planner.hardware import PROFILES, Cluster, get_profile
+from hyperloom.planner.host_memory import RuntimeMemoryProbe
 from hyperloom.planner.strategy import RUNTIMES
 
 log = logging.getLogger("hyperloom.planner")
@@ -48,30 +57,59 @@ _FIXABLE = {
     "ep": int,
     "dispatcher": str,  # EP token dispatch: alltoall or allgather
 }
+MODES = ("predict", "search", "calibrate")
 
 
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `plan` on an argparse sub-parser collection; returns the new parser."""
-    p = subparsers.add_parser(
-        "plan",
-        help="predict step time, memory and MFU of a layout, or search for the best ones",
-        description=__doc__.split("\n\n")[2],
-    )
-    p.add_argument("target", nargs="?", help="job TOML to predict, or 'calibrate'")
-    p.add_argument("--model", help="model preset to search layouts for (e.g. llama3-70b)")
-    p.add_argument("--gpus", type=int, help="number of accelerators")
+class _AnyName(Mapping):
+    """The subcommands by name (a view of `names`), letting any first positional through
+    argparse's choice check: a name that is no subcommand is a job CONFIG (`_Modes`)."""
+
+    def __init__(self, names: dict[str, argparse.ArgumentParser]) -> None:
+        self.names = names
+
+    def __getitem__(self, name: str) -> argparse.ArgumentParser:
+        return self.names[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+class _Modes(argparse._SubParsersAction):
+    """The subcommands, where a first positional that names none is a job CONFIG for the
+    `plan` parser's own options (`hyperloom plan CONFIG ...`, as before the subcommands)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = _AnyName(self._name_parser_map)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values[0] in MODES:
+            return super().__call__(parser, namespace, values, option_string)
+        namespace.target = values[0]
+        _, rest = parser.parse_known_args(values[1:], namespace)
+        if rest:  # left to the top-level parser, which reports them
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(rest)
+        return None
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--accelerator",
         default="h100",
-        help=f"{', '.join(ACCELERATORS)} or a calibrated .json profile",
+        help=f"{', '.join(PROFILES)} or a calibrated .json profile",
     )
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8)")
     p.add_argument("--intra-gbs", type=float, help="scale-up GB/s per GPU per direction")
     p.add_argument("--inter-gbs", type=float, help="scale-out (NIC) GB/s per GPU")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, help="sequence length (default: config's, or 4096)")
-    p.add_argument("--top", type=int, default=10, help="plans to keep")
-    p.add_argument("--fix", default="", help="pin dimensions: tp=8,pp=4/8,schedule=1f1b,...")
+
+
+def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runtime",
         choices=list(RUNTIMES),
@@ -89,34 +127,113 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="achieved fraction of the compute roofline (docs/planner.md fits 0.8)",
     )
     p.add_argument("--margin-gib", type=float, default=6.0, help="memory kept free per device")
+
+
+def _search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--schedule", default=None, help="CONFIG mode: schedule kind (default: the job's)"
+        "--global-batch", type=int, help="sequences per optimizer step (a CONFIG keeps its own)"
     )
-    p.add_argument("--vpp", type=int, default=None, help="CONFIG mode: chunks per rank")
+    p.add_argument("--top", type=int, default=10, help="plans to keep")
+    p.add_argument("--fix", default="", help="pin dimensions: tp=8,pp=4/8,schedule=1f1b,...")
+
+
+def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
+    """The flags that change a job's layout (prefixed with `mode` in the plain `plan` help)."""
+    p.add_argument("--schedule", default=None, help=f"{mode}schedule kind (default: the job's)")
+    p.add_argument("--vpp", type=int, default=None, help=f"{mode}chunks per rank")
     p.add_argument(
         "--recompute",
         default="none",
-        help="CONFIG mode: none, selective, full or core_attn,mlp_act,norm",
+        help=f"{mode}none, selective, full or core_attn,mlp_act,norm",
     )
-    p.add_argument("--fp8", action="store_true", help="CONFIG mode: FP8 GEMMs")
+    p.add_argument("--fp8", action="store_true", help=f"{mode}FP8 GEMMs")
     p.add_argument(
         "--dispatcher",
         choices=["alltoall", "allgather"],
         default=None,
-        help="CONFIG mode: expert-parallel token dispatch (default alltoall)",
+        help=f"{mode}expert-parallel token dispatch (default alltoall)",
     )
-    p.add_argument("--search", action="store_true", help="CONFIG mode: search instead")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the plans as JSON")
     p.add_argument("--png-prefix", metavar="PREFIX", help="write memory/timeline/top-k PNGs")
-    p.add_argument("--out", default="hyperloom-profile.json", help="calibrate: output file")
-    p.add_argument("--quick", action="store_true", help="calibrate: fewer shapes and sizes")
+
+
+def _calibrate_args(p: argparse.ArgumentParser, mode: str = "") -> None:
+    p.add_argument("--out", default="hyperloom-profile.json", help=f"{mode}output file")
+    p.add_argument("--quick", action="store_true", help=f"{mode}fewer shapes and sizes")
     p.add_argument(
         "--host-allocator",
         choices=["cache", "system"],
         default="cache",
-        help="calibrate on CPU: the training runs' train.host_allocator policy",
+        help=f"{mode}on CPU, the training runs' train.host_allocator policy",
     )
-    p.set_defaults(func=cmd_plan, accepts_overrides=True)
+
+
+def add_plan_parser(
+    subparsers: Any, runtime_memory: RuntimeMemoryProbe | None = None
+) -> argparse.ArgumentParser:
+    """Register `plan` and its subcommands on an argparse sub-parser collection; returns the
+    `plan` parser. `runtime_memory` goes to `calibrate` (see the module docstring)."""
+    paragraphs = __doc__.split("\n\n")
+    p = subparsers.add_parser(
+        "plan",
+        help="predict step time, memory and MFU of a layout, or search for the best ones",
+        description=paragraphs[2],
+    )
+    # `hyperloom plan [CONFIG] ...` without a subcommand: every flag, as before
+    p.add_argument("--model", help="model preset to search layouts for (e.g. llama3-70b)")
+    p.add_argument("--gpus", type=int, help="number of accelerators")
+    p.add_argument("--seq", type=int, help="sequence length (default: config's, or 4096)")
+    _search_args(p)
+    _cluster_args(p)
+    _runtime_args(p)
+    _layout_args(p, "CONFIG mode: ")
+    p.add_argument("--search", action="store_true", help="CONFIG mode: search instead")
+    _output_args(p)
+    _calibrate_args(p, "calibrate: ")
+    handler = functools.partial(cmd_plan, runtime_memory=runtime_memory)
+    p.set_defaults(func=handler, accepts_overrides=True, target=None)
+
+    modes = p.add_subparsers(
+        dest="plan_command", action=_Modes, metavar="{predict,search,calibrate}"
+    )
+    q = modes.add_parser(
+        "predict",
+        help="one layout: a job config's (the same TOML and overrides as `hyperloom train`)",
+        description=paragraphs[2].split(" `search` ")[0],
+    )
+    q.add_argument("target", metavar="CONFIG", help="job TOML ([--section.key value] overrides)")
+    q.add_argument("--gpus", type=int, help="number of accelerators (default: the job's)")
+    q.add_argument("--seq", type=int, help="sequence length (default: the job's)")
+    _layout_args(q)
+    _cluster_args(q)
+    _runtime_args(q)
+    _output_args(q)
+
+    q = modes.add_parser(
+        "search",
+        help="the fastest layouts that fit, for a model preset or a job config",
+        description="Search tp, pp (and chunks), dp, cp, ep, ZeRO, micro-batches, schedule, "
+        "recompute and FP8 for the fastest layouts that fit (`planner/search.py`).",
+    )
+    q.add_argument("target", nargs="?", metavar="CONFIG", help="job TOML (instead of --model)")
+    q.add_argument("--model", help="model preset (e.g. llama3-70b)")
+    q.add_argument("--gpus", type=int, help="number of accelerators (default: the job's)")
+    q.add_argument("--seq", type=int, help="sequence length (default: the job's, or 4096)")
+    _search_args(q)
+    _cluster_args(q)
+    _runtime_args(q)
+    _output_args(q)
+
+    q = modes.add_parser(
+        "calibrate",
+        help="measure this machine and save a profile that --accelerator accepts",
+        description="Measure this machine's kernels, memory and collectives as a training "
+        "step runs them, and save a hardware profile (`planner/calibrate.py`).",
+    )
+    _calibrate_args(q)
     return p
 
 
@@ -174,7 +291,7 @@ def load_job(path: str | None, overrides: list[str]):
 
 
 def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
-    acc = get_accelerator(args.accelerator)
+    acc = get_profile(args.accelerator)
     changes = {}
     if args.intra_gbs:
         changes["intra_gbs"] = args.intra_gbs
@@ -200,17 +317,19 @@ def _console() -> Console:
     return probe if probe.is_terminal else Console(width=170)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    if args.target == "calibrate":
+def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None = None) -> int:
+    """`hyperloom plan`: the subcommand, or without one the mode the arguments imply."""
+    mode = args.plan_command or ("predict" if args.target and not args.search else "search")
+    if mode == "calibrate":
         from hyperloom.planner.calibrate import cmd_calibrate
 
-        return cmd_calibrate(args)
+        return cmd_calibrate(args, runtime_memory)
     from hyperloom.config import preset_config
     from hyperloom.planner import report
     from hyperloom.planner.model import ModelSpec
     from hyperloom.planner.search import SearchSpace, search
-    from hyperloom.planner.selfcheck import job_strategy
     from hyperloom.planner.simulate import predict
+    from hyperloom.planner.strategy import Strategy
 
     out, rt = _console(), _runtime(args)
     fixes = parse_fix(args.fix)
@@ -219,7 +338,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if job.precision.dtype != "bf16":
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
         spec = ModelSpec.from_model_config(job.model)
-        s = job_strategy(job, args.schedule, args.vpp, args.recompute, True if args.fp8 else None)
+        fp8 = True if args.fp8 else None
+        s = Strategy.from_job(job, args.schedule, args.vpp, args.recompute, fp8)
         if args.dispatcher:
             s = dataclasses.replace(s, dispatcher=args.dispatcher)
         seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
@@ -237,7 +357,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     query = {
         "model": spec.name,
         "gpus": gpus,
-        "accelerator": cluster.accel.name,
+        "accelerator": cluster.profile.name,
         "gpus_per_node": cluster.gpus_per_node,
         "global_batch": gbs,
         "seq": seq,
@@ -246,9 +366,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "efficiency": rt.efficiency,
     }
     stats = None
-    if s is not None and not args.search:
+    if mode == "predict":
         plans = [predict(spec, cluster, s, seq, rt, args.margin_gib)]
-        out.print(report.plans_table(plans, f"{spec.name} on {gpus} x {cluster.accel.name}"))
+        out.print(report.plans_table(plans, f"{spec.name} on {gpus} x {cluster.profile.name}"))
     else:
         result = search(
             spec, cluster, gbs, seq, rt, SearchSpace().fixed(**fixes), args.top, args.margin_gib
@@ -257,7 +377,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out.print(
             report.plans_table(
                 plans,
-                f"top {len(plans)}: {spec.name} on {gpus} x {cluster.accel.name}, "
+                f"top {len(plans)}: {spec.name} on {gpus} x {cluster.profile.name}, "
                 f"batch {gbs} x {seq}, runtime {rt.name}",
             )
         )

@@ -1,7 +1,7 @@
 """Collective communication times: the alpha-beta ring model, per topology level.
 
 Each collective over a group of n ranks moving a full buffer of S bytes costs, on a ring
-(REFERENCE.md §4.4, nccl-tests `doc/PERFORMANCE.md`):
+(nccl-tests `doc/PERFORMANCE.md`):
 
     all-reduce                      2(n-1) alpha + 2 (n-1)/n * S / B
     all-gather, reduce-scatter,     (n-1) alpha  +   (n-1)/n * S / B
@@ -99,7 +99,7 @@ def strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
 
 def group_link(cluster: Cluster, size: int, stride: int) -> Link:
     """The link a group of `size` ranks spaced `stride` apart runs on (see module doc)."""
-    acc, g = cluster.accel, cluster.gpus_per_node
+    acc, g = cluster.profile, cluster.gpus_per_node
     k = acc.collective_scale
     bw = acc.intra_gbs * 1e9 * acc.intra_eff
     wait = acc.collective_wait_us * 1e-6
@@ -120,7 +120,7 @@ def p2p_link(cluster: Cluster, size: int, stride: int) -> Link:
     neighbours crosses a node boundary, and one NIC bounds the pipeline (one latency serves
     every transfer in the replay, so the slowest pair's is taken).
     """
-    acc = cluster.accel
+    acc = cluster.profile
     if size * stride <= cluster.gpus_per_node:
         wait = acc.collective_wait_us * 1e-6
         return Link(acc.intra_gbs * 1e9 * acc.intra_eff, acc.intra_latency_us * 1e-6, wait)
@@ -187,7 +187,7 @@ def all_to_all_cost(
     if link.level != "inter":
         beta = (n - 1) / n / link.bandwidth
         return AllToAll(n, (n - 1) * link.latency + link.fixed, beta, link.level)
-    acc, g = cluster.accel, cluster.gpus_per_node
+    acc, g = cluster.profile, cluster.gpus_per_node
     k = max(2, (n * stride) // g)  # nodes the group spans
     r = max(1, n // k)  # members per node
     nic = acc.nic_gbs * 1e9 * acc.inter_eff

@@ -1,6 +1,6 @@
 """Seconds: per-layer and per-stage F/B/W times, data-parallel sync and the optimizer step.
 
-Compute is a roofline per op (`hardware.Accelerator`): each GEMM at the BF16 (or FP8) peak
+Compute is a roofline per op (`hardware.HardwareProfile`): each GEMM at the BF16 (or FP8) peak
 times its shape's efficiency, or at memory speed if its operands dominate; the attention core
 at the flash-attention efficiency on its causal FLOPs (the unfused 2022 form as two batched
 GEMMs plus softmax traffic); norms, RoPE, activations and residual adds as bytes over the
@@ -59,7 +59,7 @@ from hyperloom.planner.collectives import (
     p2p_link,
     strides,
 )
-from hyperloom.planner.hardware import Accelerator, Cluster
+from hyperloom.planner.hardware import Cluster, HardwareProfile
 from hyperloom.planner.memory import ce_chunk_tokens
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
 from hyperloom.planner.strategy import Runtime, Strategy
@@ -160,7 +160,7 @@ def layer_phase(
     layer: Layer,
     spec: ModelSpec,
     s: Strategy,
-    acc: Accelerator,
+    acc: HardwareProfile,
     links: Links,
     rt: Runtime,
 ) -> Phase:
@@ -290,7 +290,7 @@ def embedding_phase(
     spec: ModelSpec,
     s: Strategy,
     seq: int,
-    acc: Accelerator,
+    acc: HardwareProfile,
     links: Links,
     rt: Runtime | None = None,
 ):
@@ -314,7 +314,7 @@ def head_phase(
     spec: ModelSpec,
     s: Strategy,
     seq: int,
-    acc: Accelerator,
+    acc: HardwareProfile,
     links: Links,
     rt: Runtime | None = None,
 ):
@@ -521,7 +521,7 @@ def shared_grad_groups(
 
 
 def optimizer_time(
-    params: float, s: Strategy, acc: Accelerator, rt: Runtime, expert: float = 0.0
+    params: float, s: Strategy, acc: HardwareProfile, rt: Runtime, expert: float = 0.0
 ) -> float:
     """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
     m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),

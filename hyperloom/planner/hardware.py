@@ -1,8 +1,9 @@
-"""Accelerator and cluster profiles: the hardware numbers every planner cost is made of.
+"""Hardware profiles and clusters: the hardware numbers every planner cost is made of.
 
-A profile is data: the datasheet peaks of one accelerator and of the links of the system it
-usually ships in (an 8-GPU node with a scale-up fabric, one scale-out NIC per GPU), and the
-*efficiency factors* that turn a peak into what software reaches. The planner never uses a
+A `HardwareProfile` is data, not a device (devices are `hyperloom.accelerator`'s): the
+datasheet peaks of one accelerator and of the links of the system it usually ships in (an
+8-GPU node with a scale-up fabric, one scale-out NIC per GPU), and the *efficiency factors*
+that turn a peak into what software reaches. The planner never uses a
 peak alone: a GEMM runs at ``peak * gemm_eff * shape factor``, a memory-bound kernel at
 ``hbm * mem_eff``, a collective at ``link * link_eff``. `hyperloom plan calibrate` replaces
 the factors (and the peaks it can measure) with numbers measured on the machine at hand and
@@ -20,8 +21,8 @@ Where the numbers come from (each profile's ``source`` repeats this):
   divided by the peak, from stas00/ml-engineering's MAMF table (`compute/accelerator`):
   A100 SXM 267.9/312, H100 SXM 792.1/989, H100/H200 794.5/989, B200 1745/2250, MI300X
   781.9/1300. S4000 has no public MAMF: 0.6 is a placeholder until calibrated.
-- ``fp8_speedup``: TransformerEngine FP8 GEMMs ran 1.41-1.69x faster than BF16 on H200
-  (REFERENCE.md §2.4); we take the middle, 1.55, for Hopper and Blackwell.
+- ``fp8_speedup``: TransformerEngine FP8 GEMMs run 1.41-1.69x faster than BF16 on H200;
+  we take the middle, 1.55, for Hopper and Blackwell.
 - ``attn_fwd_eff``/``attn_bwd_eff``: flash attention's share of peak at head dim 128 and long
   causal sequences. FlashAttention-2 (arXiv 2307.08691) reports 50-73% forward and less
   backward on A100; FlashAttention-3 (arXiv 2407.08608) 600-740 TFLOP/s forward on H100.
@@ -54,7 +55,7 @@ _D_REF, _D_HALF = 2048.0, 128.0
 
 
 @dataclass(frozen=True)
-class Accelerator:
+class HardwareProfile:
     """One accelerator and the links of the node it usually sits in."""
 
     name: str
@@ -78,8 +79,8 @@ class Accelerator:
     # ``host_runtime_bytes`` that do not grow with the job (compiled kernels' code and heap,
     # the compiler's Python objects) plus ``host_churn_factor`` per byte a step allocates and
     # frees (the heap's freed-but-kept pages), both measured by `plan calibrate`; and an older
-    # form, ``host_alloc_factor`` resident bytes per live byte (profiles before v10). Device
-    # memory: 1, 0 and 0.
+    # form, ``host_alloc_factor`` resident bytes per live byte, which older saved profiles
+    # carry. Device memory: 1, 0 and 0.
     host_alloc_factor: float = 1.0
     host_runtime_bytes: float = 0.0
     host_churn_factor: float = 0.0
@@ -172,7 +173,7 @@ class Accelerator:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Accelerator:
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -192,15 +193,15 @@ class Accelerator:
 
 _NV_SOURCE = "NVIDIA datasheet; gemm_eff from stas00/ml-engineering MAMF; see hardware.py"
 
-ACCELERATORS: dict[str, Accelerator] = {
+PROFILES: dict[str, HardwareProfile] = {
     # H100 SXM5 80GB: 989.4 BF16 / 1978.9 FP8 dense, HBM3 3.35 TB/s, NVLink4 900 GB/s
     # bidirectional, DGX H100 8x ConnectX-7 400 Gb/s (one per GPU).
-    "h100": Accelerator("h100", 989.4, 1978.9, 80.0, 3350, 792.1 / 989.4, source=_NV_SOURCE),
+    "h100": HardwareProfile("h100", 989.4, 1978.9, 80.0, 3350, 792.1 / 989.4, source=_NV_SOURCE),
     # H200 SXM 141GB: H100 compute, HBM3e 4.8 TB/s.
-    "h200": Accelerator("h200", 989.4, 1978.9, 140.0, 4800, 794.5 / 989.4, source=_NV_SOURCE),
+    "h200": HardwareProfile("h200", 989.4, 1978.9, 140.0, 4800, 794.5 / 989.4, source=_NV_SOURCE),
     # A100 SXM4 80GB: 312 BF16, no FP8, HBM2e 2.039 TB/s, NVLink3 600 GB/s bidirectional,
     # DGX A100 8x ConnectX-6 HDR 200 Gb/s.
-    "a100": Accelerator(
+    "a100": HardwareProfile(
         "a100",
         312.0,
         0.0,
@@ -213,7 +214,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     ),
     # B200 (DGX B200): 2.25 PF BF16 / 4.5 PF FP8 dense, 180 GB HBM3e at 8 TB/s, NVLink5
     # 1.8 TB/s bidirectional, 8x ConnectX-7 400 Gb/s.
-    "b200": Accelerator(
+    "b200": HardwareProfile(
         "b200",
         2250.0,
         4500.0,
@@ -225,7 +226,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     ),
     # MI300X: 1307.4 BF16 / 2614.9 FP8 dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric
     # links of 64 GB/s each way (448 GB/s), platform NICs 400 Gb/s per GPU.
-    "mi300x": Accelerator(
+    "mi300x": HardwareProfile(
         "mi300x",
         1307.4,
         2614.9,
@@ -240,7 +241,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     ),
     # MTT S4000: 100 TFLOPS BF16 (FP8 not listed), 48 GB GDDR6 at 768 GB/s, MTLink 240 GB/s
     # (taken as bidirectional). One 200 Gb/s RoCE NIC per GPU and every efficiency assumed.
-    "mtt-s4000": Accelerator(
+    "mtt-s4000": HardwareProfile(
         "mtt-s4000",
         100.0,
         0.0,
@@ -257,20 +258,22 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-def get_accelerator(name_or_path: str) -> Accelerator:
+def get_profile(name_or_path: str) -> HardwareProfile:
     """A built-in profile by name, or a saved profile (JSON from `plan calibrate`)."""
     key = name_or_path.lower()
-    if key in ACCELERATORS:
-        return ACCELERATORS[key]
+    if key in PROFILES:
+        return PROFILES[key]
     if key.endswith(".json"):
         return load_profile(name_or_path)
     raise PlanError(
-        f"unknown accelerator {name_or_path!r}; built in: {', '.join(ACCELERATORS)} "
+        f"unknown accelerator {name_or_path!r}; built in: {', '.join(PROFILES)} "
         f"(or a .json profile written by `hyperloom plan calibrate`)"
     )
 
 
-def save_profile(acc: Accelerator, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save_profile(
+    acc: HardwareProfile, path: str | Path, extra: dict[str, Any] | None = None
+) -> Path:
     """Write `acc` as JSON (plus `extra` measurements under "measurements")."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +282,7 @@ def save_profile(acc: Accelerator, path: str | Path, extra: dict[str, Any] | Non
     return p
 
 
-def load_profile(path: str | Path) -> Accelerator:
+def load_profile(path: str | Path) -> HardwareProfile:
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"accelerator profile '{p}' does not exist")
@@ -287,14 +290,14 @@ def load_profile(path: str | Path) -> Accelerator:
         body = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise PlanError(f"accelerator profile '{p}' is not JSON: {exc}") from None
-    return Accelerator.from_dict(body.get("accelerator", body))
+    return HardwareProfile.from_dict(body.get("accelerator", body))
 
 
 @dataclass(frozen=True)
 class Cluster:
     """`gpus` accelerators of one kind, `gpus_per_node` of them behind one scale-up fabric."""
 
-    accel: Accelerator
+    profile: HardwareProfile
     gpus: int
     gpus_per_node: int = 8
 
@@ -312,6 +315,9 @@ class Cluster:
         return max(1, self.gpus // self.gpus_per_node)
 
     @classmethod
-    def of(cls, accel: str | Accelerator, gpus: int, gpus_per_node: int | None = None) -> Cluster:
-        acc = get_accelerator(accel) if isinstance(accel, str) else accel
-        return cls(acc, gpus, gpus_per_node or acc.gpus_per_node)
+    def of(
+        cls, profile: str | HardwareProfile, gpus: int, gpus_per_node: int | None = None
+    ) -> Cluster:
+        """`gpus` of a built-in or saved profile (by name or path), or of `profile` itself."""
+        hw = get_profile(profile) if isinstance(profile, str) else profile
+        return cls(hw, gpus, gpus_per_node or hw.gpus_per_node)

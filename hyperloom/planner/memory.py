@@ -1,6 +1,6 @@
 """Bytes per rank: model states, activations in flight, buffers, allocator headroom.
 
-Model states (Rajbhandari et al. arXiv 1910.02054; REFERENCE.md §4.3). With p bytes per
+Model states (Rajbhandari et al. arXiv 1910.02054). With p bytes per
 parameter as stored, g per gradient and o for the optimizer (Adam's two FP32 moments, 8, plus
 a 4-byte FP32 master when the parameter itself is not that master):
 
@@ -32,13 +32,13 @@ FP32 (it flattens them; FP32 gradients are views of its buffer already), FSDP's 
 layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
 receive buffers of the routed copies, or the all-gather dispatcher's gathered rows and
 pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``),
-and a plan must leave a margin (6 GiB by default, REFERENCE.md §4.5) for the CUDA context and
+and a plan must leave a margin (6 GiB by default) for the CUDA context and
 NCCL.
 
 One runtime fact applies where the `Runtime` says so (`strategy.job_runtime`, the training
-self-check's runtime): the fused, chunked cross-entropy, which saves no logits but keeps the FP32 input and weight
-gradients its forward formed (`chunk_activation_extras`) and works in one chunk of logits
-(`ce_working_bytes`). A CPU profile's ``host_runtime_bytes`` and ``host_churn_factor``
+self-check's runtime): the fused, chunked cross-entropy, which saves no logits but keeps the
+FP32 input and weight gradients its forward formed (`chunk_activation_extras`) and works in
+one chunk of logits (`ce_working_bytes`). A CPU profile's ``host_runtime_bytes`` and ``host_churn_factor``
 (measured by `plan calibrate`, `host_memory.py`) turn the live peak into resident bytes: a
 fixed amount per process plus a share of what each step allocates and frees.
 `Memory.allocator` is the difference, 0 on devices.
@@ -50,9 +50,8 @@ pipeline schedule's warm-up, which fills the in-flight units before the rank's f
 backward. So only the gradients the forward formed (the fused loss's head gradient) count,
 unless something holds all of them: DDP's bucket views, ZeRO-1's flat buffer, or
 accumulation over micro-batches without a pipeline. The step's own peak (`step_peak`) counts
-all of them either way. Measured against glibc's live bytes polled through a step on the 12
-validation layouts (`benchmarks/planner_memory_probe.py`, docs/planner.md section 4): 11 of
-12 within 10% this way (-11.8% to +7.5%).
+all of them either way. `benchmarks/planner_memory_probe.py` holds this against glibc's
+live bytes polled through a step (docs/planner.md section 4).
 """
 
 from __future__ import annotations
@@ -236,10 +235,7 @@ def grads_at_peak(
     warm-up does the same: it fills the rank's in-flight units before its first backward.
     DDP's bucket views (ZeRO-1's flat buffer) keep every gradient allocated, and accumulation
     over micro-batches without a pipeline (grad_accum) holds them from the first backward on;
-    the fused loss's head gradient then comes on top until the backward adds it in. Measured
-    on the 2-core container, glibc's live bytes sampled after every operator: one process
-    peaked at 540 MB with micro-batch 4, the same job under DDP over two ranks at 628 MB --
-    the 88 MB of FP32 gradients."""
+    the fused loss's head gradient then comes on top until the backward adds it in."""
     if not rt.grads_freed_each_step:
         return None
     head = 0.0
@@ -268,7 +264,7 @@ def rank_memory(
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
     that is local routed experts (ep > 1); `host` is the accelerator profile's
-    `Accelerator.host_memory`: what a CPU process keeps resident beyond the live bytes
+    `HardwareProfile.host_memory`: what a CPU process keeps resident beyond the live bytes
     (nothing on devices)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)

@@ -1,6 +1,6 @@
 """What one transformer layer does on one rank: GEMMs, attention, memory traffic, saved tensors.
 
-The planner sees a model as a `ModelSpec` (shapes only) and a layer as a `Layer`: the list of
+The planner sees a model as a `ModelSpec` (a job's `ModelConfig`) and a layer as a `Layer`: the list of
 GEMMs with their per-rank shapes, the attention core's FLOPs, the bytes that memory-bound
 kernels move, the tensors autograd keeps for the backward (each tagged with the recompute
 *module* that can drop it), and the buffers the tensor- and context-parallel collectives
@@ -36,6 +36,7 @@ buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hyperloom.config import ModelConfig
@@ -44,42 +45,32 @@ from hyperloom.planner.errors import PlanError
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
 
 
+def _read(field: str, doc: str) -> property:
+    """A shape the spec reads from its `ModelConfig` (the one place it is set)."""
+    return property(lambda self: getattr(self.config, field), doc=doc)
+
+
+def _deepseek(field: str, doc: str, dense: int = 0) -> property:
+    """A DeepSeek (MoE, MLA, MTP) shape read from the config; `dense` for other families."""
+    return property(lambda self: getattr(self.config, field) if self.mla else dense, doc=doc)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes of a decoder-only transformer: dense (Llama or GPT style) or DeepSeek (MoE,
-    MLA, MTP; the fields below `family`, zero for dense models)."""
+    """A decoder-only transformer as the planner costs it: the shapes of `config`, the same
+    `ModelConfig` that `hyperloom train` builds (dense Llama, or DeepSeek's MoE, MLA and
+    MTP), plus what the config cannot say -- the architecture of the published GPT runs
+    (`published.gpt`: GeLU MLP, LayerNorm, biases, dropout, no flash attention) and the
+    load imbalance assumed for expert parallelism. The shapes are read-only properties, so
+    a spec and the config it was built from cannot disagree."""
 
-    name: str
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
+    config: ModelConfig
+    name: str = ""  # default: the config's preset
     gated_mlp: bool = True  # SwiGLU (three matrices) or GeLU (two)
     norm: str = "rms"  # "rms" or "layer"
     bias: bool = False
-    dropout: bool = False
+    dropout: bool = False  # dropout masks saved for the backward (the 2022 GPT runs)
     flash_attention: bool = True
-    tie_embeddings: bool = False
-    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head (llama only)
-    family: str = "llama"
-    # DeepSeek family (MoE, MLA, MTP); zero for dense models. See `build_layer` for the costs.
-    n_dense_layers: int = 0
-    n_routed_experts: int = 0
-    n_shared_experts: int = 0
-    moe_top_k: int = 0
-    moe_ffn_dim: int = 0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    mtp_depth: int = 0
-    # Group-limited routing: experts in moe_n_groups groups, a token routed within its best
-    # moe_topk_groups (DeepSeek-V3: 8 groups = 8 nodes of 32 experts, at most 4 nodes).
-    moe_n_groups: int = 1
-    moe_topk_groups: int = 1
     # Tokens on the busiest expert-parallel rank over the mean (applies only when ep > 1;
     # at ep = 1 one grouped GEMM runs tokens x top_k rows whatever the routing). It scales
     # the expert GEMM rows, the received all-to-all bytes and the dispatch buffers of every
@@ -87,7 +78,38 @@ class ModelSpec:
     # measurement (docs/planner.md shows the sensitivity).
     moe_imbalance: float = 1.25
 
+    n_layers = _read("n_layers", "transformer blocks")
+    dim = _read("dim", "hidden size")
+    n_heads = _read("n_heads", "query heads")
+    n_kv_heads = _read("n_kv_heads", "key/value heads")
+    ffn_dim = _read("ffn_dim", "dense MLP width")
+    vocab_size = _read("vocab_size", "vocabulary")
+    tie_embeddings = _read("tie_embeddings", "output head shares the input embedding")
+    qk_norm = _read("qk_norm", "RMSNorm over head_dim on each query and key head")
+    family = _read("family", "model family: llama or deepseek")
+    n_routed_experts = _deepseek("n_routed_experts", "routed experts per MoE layer")
+    n_shared_experts = _deepseek("n_shared_experts", "shared experts per MoE layer")
+    moe_top_k = _deepseek("moe_top_k", "routed experts per token")
+    moe_ffn_dim = _deepseek("moe_ffn_dim", "one expert's SwiGLU width")
+    q_lora_rank = _deepseek("q_lora_rank", "MLA query latent (0: plain query projection)")
+    kv_lora_rank = _deepseek("kv_lora_rank", "MLA key/value latent")
+    qk_nope_head_dim = _deepseek("qk_nope_head_dim", "MLA query/key width without RoPE")
+    qk_rope_head_dim = _deepseek("qk_rope_head_dim", "MLA decoupled RoPE width")
+    v_head_dim = _deepseek("v_head_dim", "MLA value width per head")
+    mtp_depth = _deepseek("mtp_depth", "multi-token prediction modules")
+    # group-limited routing: experts in moe_n_groups groups, a token routed within its best
+    # moe_topk_groups (DeepSeek-V3: 8 groups = 8 nodes of 32 experts, at most 4 nodes)
+    moe_n_groups = _deepseek("moe_n_groups", "expert groups", dense=1)
+    moe_topk_groups = _deepseek("moe_topk_groups", "groups a token may use", dense=1)
+
     def __post_init__(self) -> None:
+        if self.config.family not in ("llama", "deepseek"):
+            raise PlanError(
+                f"the planner models the llama and deepseek families only, "
+                f"got {self.config.family!r}"
+            )
+        if not self.name:
+            object.__setattr__(self, "name", self.config.preset)
         if min(self.n_layers, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim) < 1:
             raise PlanError(f"model {self.name}: every size must be positive")
         if self.mla:
@@ -100,32 +122,19 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str | None = None) -> ModelSpec:
-        if cfg.family not in ("llama", "deepseek"):
-            raise PlanError(
-                f"the planner models the llama and deepseek families only, got {cfg.family!r}"
-            )
-        extra = {}
-        if cfg.family == "deepseek":
-            names = (
-                "n_routed_experts n_shared_experts moe_top_k moe_ffn_dim q_lora_rank "
-                "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim mtp_depth "
-                "moe_n_groups moe_topk_groups"
-            )
-            extra = {k: getattr(cfg, k) for k in names.split()}
-            extra["family"] = "deepseek"
-            extra["n_dense_layers"] = cfg.n_dense_layers if cfg.n_routed_experts else cfg.n_layers
-        return cls(
-            name or cfg.preset,
-            cfg.n_layers,
-            cfg.dim,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.ffn_dim,
-            cfg.vocab_size,
-            tie_embeddings=cfg.tie_embeddings,
-            qk_norm=cfg.qk_norm,
-            **extra,
-        )
+        """The spec of a training job's model (`name` defaults to its preset)."""
+        return cls(cfg, name or cfg.preset)
+
+    def with_config(self, **changes) -> ModelSpec:
+        """This spec with `changes` to its model config (shapes change only there)."""
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))
+
+    @property
+    def n_dense_layers(self) -> int:
+        """Leading layers with the dense FFN (all of them for a DeepSeek without experts)."""
+        if not self.mla:
+            return 0
+        return self.config.n_dense_layers if self.config.n_routed_experts else self.n_layers
 
     @property
     def mla(self) -> bool:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from hyperloom.config import ModelConfig
 from hyperloom.planner.hardware import GIB, Cluster
 from hyperloom.planner.memory import Memory
 from hyperloom.planner.model import ModelSpec
@@ -59,21 +60,22 @@ from hyperloom.planner.simulate import Plan, memory_per_rank, predict, prepare
 from hyperloom.planner.strategy import RUNTIMES, Strategy
 
 
-def gpt(name: str, heads: int, hidden: int, layers: int, vocab: int, **kw) -> ModelSpec:
-    return ModelSpec(
-        name,
-        layers,
-        hidden,
-        heads,
-        heads,
-        4 * hidden,
-        vocab,
-        gated_mlp=False,
-        norm="layer",
-        bias=True,
-        family="gpt",
-        **kw,
+def gpt(
+    name: str, heads: int, hidden: int, layers: int, vocab: int, tie_embeddings: bool = False, **kw
+) -> ModelSpec:
+    """A GPT of the published runs: LayerNorm, a GeLU MLP of 4h, biases; `kw` are the
+    `ModelSpec` facts beyond the config (dropout, flash attention)."""
+    shape = ModelConfig(
+        preset=name,
+        n_layers=layers,
+        dim=hidden,
+        n_heads=heads,
+        n_kv_heads=heads,
+        ffn_dim=4 * hidden,
+        vocab_size=vocab,
+        tie_embeddings=tie_embeddings,
     )
+    return ModelSpec(shape, gated_mlp=False, norm="layer", bias=True, **kw)
 
 
 # name, heads, hidden, layers, tp, pp, dp, global batch, published TFLOP/s per GPU
@@ -104,7 +106,17 @@ LLAMA3_405B = [
     (16384, 8, 1, 16, 128, 8192, 0.41),
     (16384, 8, 16, 16, 8, 131072, 0.38),
 ]
-LLAMA3_405B_SPEC = ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256)
+LLAMA3_405B_SPEC = ModelSpec(
+    ModelConfig(
+        preset="llama3-405b",
+        n_layers=126,
+        dim=16384,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        vocab_size=128256,
+    )
+)
 LLAMA3_TOKENS_PER_BATCH = 16 * 1024 * 1024
 
 
@@ -280,7 +292,7 @@ def deepseek_v3_spec(imbalance: float | None = None) -> ModelSpec:
 def h800_cluster(gpus: int = 2048) -> Cluster:
     """The h100 profile with H800's NVLink: 400 GB/s both ways, 200 one way."""
     cluster = Cluster.of("h100", gpus)
-    return replace(cluster, accel=replace(cluster.accel, intra_gbs=200.0))
+    return replace(cluster, profile=replace(cluster.profile, intra_gbs=200.0))
 
 
 def deepseek_v3(

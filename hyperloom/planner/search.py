@@ -198,11 +198,11 @@ def search(
     rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
     space = space or SearchSpace()
     start = time.perf_counter()
-    capacity = (cluster.accel.hbm_gib - margin_gib) * 2**30
+    capacity = (cluster.profile.hbm_gib - margin_gib) * 2**30
     rejected: Counter = Counter()
     bounded: list[tuple[float, int, Strategy, object]] = []
     enumerated = valid = 0
-    points = candidates(spec, cluster.gpus, global_batch, space, cluster.accel.supports_fp8)
+    points = candidates(spec, cluster.gpus, global_batch, space, cluster.profile.supports_fp8)
     for i, s in enumerate(points):
         enumerated += 1
         why = check(s, spec, seq, cluster.gpus)
@@ -222,7 +222,7 @@ def search(
             continue
         memory_checked += 1
         ranks = tuple(sorted({0, min(1, s.pp - 1), s.pp - 1}))
-        mems = memory_per_rank(spec, s, seq, rt, prep, ranks, cluster.accel.host_memory)
+        mems = memory_per_rank(spec, s, seq, rt, prep, ranks, cluster.profile.host_memory)
         peak = max(m.peak for m in mems)
         if peak / _ALLOC > capacity:
             rejected["over memory"] += 1
@@ -237,13 +237,13 @@ def search(
             heapq.heapreplace(best, item)
     if not valid:
         raise PlanError(
-            f"no valid strategy for {spec.name} on {cluster.gpus} x {cluster.accel.name}: "
+            f"no valid strategy for {spec.name} on {cluster.gpus} x {cluster.profile.name}: "
             f"{enumerated} points, rejected {dict(rejected)}"
         )
     if not best:
         raise PlanError(
-            f"no strategy for {spec.name} on {cluster.gpus} x {cluster.accel.name} fits in "
-            f"{cluster.accel.hbm_gib - margin_gib:.1f} GiB: {enumerated} points, rejected "
+            f"no strategy for {spec.name} on {cluster.gpus} x {cluster.profile.name} fits in "
+            f"{cluster.profile.hbm_gib - margin_gib:.1f} GiB: {enumerated} points, rejected "
             f"{dict(rejected)}"
         )
     exact = []

@@ -1,26 +1,18 @@
-"""The planner checks itself in every training run.
+"""The planner's prediction for a training job, beside what the job measured.
 
 `hyperloom train` ends by asking the planner what this very job (model, layout, schedule,
-micro-batches) should have cost on this machine, and prints the answer beside what it
-measured: the mean seconds per optimizer step of the training steps (evaluation and
-checkpoints excluded) and the peak memory of the busiest rank above what it held before the
-model was built (the runtime, the data and the interpreter are not the planner's to
-predict). Both go to `summary.json` with their relative errors, so every run is one more
-validation point of the cost model, not a separate experiment.
+micro-batches) should cost on this machine and hands it what it measured: the mean seconds
+per training step and the busiest rank's peak memory above its pre-model baseline (the
+runtime, the data and the interpreter are not the planner's to predict). `self_check`
+returns both side by side with their relative errors for summary.json, so every run is one
+more validation point of the cost model. The trainer calls in; nothing here calls back.
 
-The prediction is only as good as the hardware numbers. `logging.self_check` names them:
-
-- ``auto`` (default): a profile this machine measured, cached per (device kind, dtype, world
-  size) under the hyperloom cache; measured once, quickly (`calibrate(quick=True)`), on first
-  use. Collectives are measured only when the job has more than one rank.
-- a path: a profile JSON written by ``hyperloom plan calibrate --out FILE``.
-- ``off``: no prediction.
-
-On CPU the calibrated profile is the whole machine (all cores) while a rank of a job gets
-`min(its threads, cores / ranks)` of them; `compute_share` scales the profile's compute and
-memory rates by that share. What the check does not model: other processes sharing the cores
-(see benchmarks/README.md); the planner costs one pipeline flush of
-`microbatches x grad_accum` micro-batches where the trainer runs `grad_accum` flushes.
+The hardware numbers come from `logging.self_check`: ``auto`` (a profile of this machine,
+measured once and cached, `cached_profile`), a profile JSON, or ``off``. A CPU profile is the
+whole machine while a rank computes on its share of the cores (`cpu_share`,
+`oversubscribed_step`). Not modelled: other processes on the same cores; and the planner
+costs one pipeline flush of `microbatches x grad_accum` micro-batches where the trainer runs
+`grad_accum` flushes.
 """
 
 from __future__ import annotations
@@ -31,60 +23,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hyperloom.config import JobConfig, pipeline_microbatches
+from hyperloom.config import JobConfig
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import GIB, Accelerator, Cluster, load_profile, save_profile
+from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile, load_profile, save_profile
+from hyperloom.planner.host_memory import RuntimeMemoryProbe
 from hyperloom.planner.model import ModelSpec
-from hyperloom.planner.strategy import Runtime, Strategy, job_runtime
+from hyperloom.planner.strategy import Runtime, Strategy
 
 log = logging.getLogger("hyperloom.planner")
-
-
-def job_strategy(
-    job: JobConfig,
-    schedule: str | None = None,
-    vpp: int | None = None,
-    recompute: str = "none",
-    fp8: bool | None = None,
-) -> Strategy:
-    """The planner's `Strategy` for a training job (schedule, vpp and fp8 from the job unless
-    given)."""
-    par, tr = job.parallel, job.train
-    kind = schedule or (par.pp_schedule if par.pp > 1 else "1f1b")
-    chunks = vpp or (par.vpp if kind == "interleaved" else 1)
-    return Strategy(
-        tp=par.tp,
-        pp=par.pp,
-        dp=par.dp,
-        cp=par.cp,
-        ep=par.ep,
-        dispatcher=getattr(par, "ep_dispatcher", "alltoall"),
-        zero=par.zero,
-        sp=par.sp,
-        order=par.order,
-        mbs=tr.micro_batch_size,
-        microbatches=pipeline_microbatches(par) * tr.grad_accum,
-        schedule=kind,
-        vpp=chunks,
-        recompute=recompute,
-        fp8=job.precision.fp8 != "none" if fp8 is None else fp8,
-    )
-
-
-def runtime_of(job: JobConfig) -> Runtime:
-    """The planner's runtime for this job: the fused cross-entropy unless its ops keep the
-    reference loss (vocab-parallel heads always run the chunked operator); FP8 layers save
-    their inputs' FP8 copies under `precision.fp8_activation`, and per-tensor recipes
-    (current, delayed) whenever their weight-gradient GEMM is FP8 (`engine.fp8.modules`):
-    with the forward and weight-gradient GEMMs both in high precision nothing is quantized
-    to keep."""
-    ops, p8 = job.ops, job.precision
-    fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
-    high = set(p8.fp8_high_precision)
-    quantized = not {"fprop", "wgrad"} <= high
-    per_tensor = p8.fp8 in ("current", "delayed") and "wgrad" not in high
-    copies = quantized and (p8.fp8_activation or per_tensor)
-    return job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
 
 
 CPU_PROFILE = "calibrated-cpu"  # what `calibrate` names a profile measured on a CPU
@@ -107,17 +53,17 @@ def cpu_runtime(rt: Runtime) -> Runtime:
 
 
 def cached_profile(
-    cache: Path, kind: str, dtype: str, world: int, host_allocator: str = "cache"
-) -> Accelerator:
+    cache: Path,
+    kind: str,
+    dtype: str,
+    world: int,
+    host_allocator: str = "cache",
+    runtime_memory: RuntimeMemoryProbe | None = None,
+) -> HardwareProfile:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
-    allocator policy); measured if absent."""
-    # v10: resident memory as a fixed part plus a share of each step's churn; v9: the cast
-    # rate (cast_eff); v8: CPU profiles measured with all cores also inside a
-    # rank (v6-v7 measured one thread there and then took a rank's share of it again);
-    # v7: the wait of CPU collectives between computing ranks (collective_wait_us);
-    # v6: GEMMs in interleaved rounds, the per-layer overhead from each model's fastest step;
-    # v5: the per-layer host overhead; v4: kernels timed in their training form, elementwise
-    # and attention tables; v3: CPU profiles measured under the run's host allocator policy
+    allocator policy); measured if absent, with `runtime_memory` the trainer's probe for the
+    host-memory fit (`calibrate`)."""
+    # the suffix is the profile's format: raise it when calibration measures something new
     policy = f"-{host_allocator}" if kind == "cpu" else ""
     path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v10.json"
     if path.exists():
@@ -132,6 +78,7 @@ def cached_profile(
         collectives=world > 1,
         host_allocator=host_allocator,
         progress=lambda text: log.info("calibrating: %s", text),
+        runtime_memory=runtime_memory,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path, {"measurements": raw})
@@ -152,8 +99,7 @@ def oversubscribed_step(plan, ranks_here: int, demand_share: float) -> float:
     of it while they are busy and together want more than all of it: the simulated step
     (each rank at full speed while it runs) or the machine's total work divided by its
     capacity, whichever is longer. A pipeline rank's idle bubble is where another rank's work
-    runs -- the reason a fixed per-rank share (cores / ranks) overestimated pp2 x dp2 on two
-    cores by 40%.
+    runs, which a fixed per-rank share (cores / ranks) would leave out.
 
     Work of a pipeline rank: its compute, communication (loopback collectives copy on the
     CPU, exposed or not) and optimizer step; each pipeline rank stands for ranks_here / pp
@@ -166,7 +112,7 @@ def oversubscribed_step(plan, ranks_here: int, demand_share: float) -> float:
 
 def self_check(
     job: JobConfig,
-    profile: Accelerator,
+    profile: HardwareProfile,
     world: int,
     measured_step_s: float | None,
     measured_peak_bytes: float | None,
@@ -186,10 +132,10 @@ def self_check(
         )
 
     spec = ModelSpec.from_model_config(job.model, job.model.preset)
-    strategy = job_strategy(job)
+    strategy = Strategy.from_job(job)
     cluster = Cluster(profile, world, gpus_per_node=world)
     try:
-        rt = runtime_of(job)
+        rt = Runtime.from_job(job)
         if profile.name == CPU_PROFILE:
             rt = cpu_runtime(rt)
         plan = predict(spec, cluster, strategy, job.data.seq_len, rt, margin_gib=0.0)

@@ -61,7 +61,7 @@ from hyperloom.planner.costs import (
     shared_grad_groups,
 )
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import GIB, Accelerator, Cluster
+from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile
 from hyperloom.planner.memory import LayerMemory, Memory, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
@@ -95,7 +95,7 @@ class Plan:
 
     @property
     def tflops_per_gpu(self) -> float:
-        return self.mfu * self.cluster.accel.bf16_tflops
+        return self.mfu * self.cluster.profile.bf16_tflops
 
     @property
     def peak_memory(self) -> float:
@@ -114,7 +114,7 @@ class Plan:
             "model": self.model.name,
             "strategy": self.strategy.to_dict(),
             "label": self.strategy.label(),
-            "accelerator": self.cluster.accel.name,
+            "accelerator": self.cluster.profile.name,
             "gpus": self.cluster.gpus,
             "runtime": self.runtime.name,
             "seq": self.seq,
@@ -172,10 +172,10 @@ def _sim_points(s: Strategy) -> tuple[int, int] | None:
     return (m1, m2) if s.microbatches > m2 else None
 
 
-def effective_accelerator(cluster: Cluster, rt: Runtime) -> Accelerator:
+def effective_profile(cluster: Cluster, rt: Runtime) -> HardwareProfile:
     """The accelerator as the runtime uses it: compute and memory rates times
     `Runtime.efficiency` (1 = the roofline of `hardware.py`)."""
-    acc = cluster.accel
+    acc = cluster.profile
     if rt.efficiency == 1.0:
         return acc
     e = rt.efficiency
@@ -188,7 +188,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     strategy with the fields that do not change a layer (schedule, vpp, micro-batch count)
     reset, so one entry serves every schedule of a layout."""
     links = links_for(cluster, key, spec, rt.a2a_node_dedup)
-    acc = effective_accelerator(cluster, rt)
+    acc = effective_profile(cluster, rt)
     layer = build_layer(
         spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op
     )
@@ -325,7 +325,7 @@ def memory_per_rank(
     host: tuple[float, float, float] = (1.0, 0.0, 0.0),
 ) -> list[Memory]:
     """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last);
-    `host` from the accelerator profile (`Accelerator.host_memory`)."""
+    `host` from the accelerator profile (`HardwareProfile.host_memory`)."""
     _, in_flight, w_pending = prep.structure()
     return [
         rank_memory(
@@ -377,7 +377,7 @@ def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> f
         if prep.fb_overlap != 1.0:
             own = own * prep.fb_overlap
         bound = pre + np.maximum(busy, own + post)
-    acc = effective_accelerator(cluster, rt)
+    acc = effective_profile(cluster, rt)
     per_param = optimizer_time(1.0, s, acc, rt)
     opt = per_param * prep.rank_sum(np.asarray(prep.params))
     if s.ep > 1:  # the local experts' optimizer shard is over the expert-data-parallel group
@@ -399,8 +399,8 @@ def predict(
     """Simulate strategy `s` (see module docstring); raises PlanError if it cannot run."""
     rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
     why = check(s, spec, seq, cluster.gpus)
-    if s.fp8 and not cluster.accel.supports_fp8:
-        why = f"fp8 requested, but {cluster.accel.name} has no FP8 tensor cores"
+    if s.fp8 and not cluster.profile.supports_fp8:
+        why = f"fp8 requested, but {cluster.profile.name} has no FP8 tensor cores"
     if why:
         raise PlanError(f"{s.label()}: {why}")
     prep = prep or prepare(spec, cluster, s, seq, rt)
@@ -441,7 +441,7 @@ def predict(
         for r in ranks:
             shared_end[r], shared[r] = start + t, shared[r] + t
 
-    acc = effective_accelerator(cluster, rt)
+    acc = effective_profile(cluster, rt)
     finish, parts, busy_all = [], [], 0.0
     m = chunk_passes(s)
     for rank in range(s.pp):
@@ -485,9 +485,9 @@ def predict(
         seq=seq,
         step_time=step,
         bubble_fraction=1.0 - busy_all / (s.pp * makespan) if makespan else 0.0,
-        mfu=flops / (step * cluster.gpus * cluster.accel.bf16_tflops * 1e12),
-        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.accel.host_memory),
-        capacity=(cluster.accel.hbm_gib - margin_gib) * GIB,
+        mfu=flops / (step * cluster.gpus * cluster.profile.bf16_tflops * 1e12),
+        memory=memory_per_rank(spec, s, seq, rt, prep, None, cluster.profile.host_memory),
+        capacity=(cluster.profile.hbm_gib - margin_gib) * GIB,
         breakdown=parts[finish.index(step)],
         simulated_microbatches=m_runs[0],
         sim=None if points else results[0],

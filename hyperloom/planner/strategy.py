@@ -14,21 +14,21 @@ which communication is overlapped with compute and how well. Two are built in:
   its buckets); zero 1 keeps params and grads replicated (the grads in one flat buffer) plus a
   separate FP32 master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`;
   its reduce-scatter and all-gather are not overlapped, and on gloo they are two in-place
-  all-reduces, ``zero1_in_place``, which `selfcheck.cpu_runtime` sets); zero 3 is FSDP2, 16/dp, with per-block
-  all-gathers prefetched behind compute and, under gradient accumulation, unsharded
+  all-reduces, ``zero1_in_place``, which `selfcheck.cpu_runtime` sets); zero 3 is FSDP2,
+  16/dp, with per-block all-gathers prefetched behind compute and, under gradient
+  accumulation, unsharded
   gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
   weight alive while any micro-batch that used it awaits its backward (+2 B/param).
   Tensor-parallel collectives are not overlapped, and under sequence parallelism the
   column-parallel linears save the gathered input. Two facts of the runtime are off in the
   built-in ``hyperloom`` (so that device-memory numbers stay comparable with the published
-  validation) and on in `job_runtime`, which the training self-check uses. First, autocast
-  works per op (``autocast_per_op``): the norms save their FP32 input and each linear saves
-  its own BF16 cast of the FP32 norm output (three before q, k, v; two before w1, w3), and
-  no weight copy is made for the embedding (a lookup) or, under the fused loss, the head
-  (the loss operator casts it itself). Second, the output layer and the loss are one fused,
-  chunked operator
-  (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32 input and weight
-  gradients in its forward and keeps them until backward.
+  validation) and on in `job_runtime` (`Runtime.from_job`), which the training self-check
+  uses. First, autocast works per op (``autocast_per_op``): the norms save their FP32 input
+  and each linear saves its own BF16 cast of the FP32 norm output (three before q, k, v; two
+  before w1, w3), and no weight copy is made for the embedding (a lookup) or, under the
+  fused loss, the head (the loss operator casts it itself). Second, the output layer and the loss are one fused,
+  chunked operator (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32
+  input and weight gradients in its forward and keeps them until backward.
 - ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
   BF16 parameters and FP32 main gradients, 2 + 4 + 12 = 18 B/param (zero 0), 6 + 12/dp
   (zero 1 = distributed optimizer), 18/dp (zero 3); ``--overlap-grad-reduce
@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.pipeline import SCHEDULES
 from hyperloom.planner.model import ModelSpec, parse_recompute
 
@@ -114,7 +115,7 @@ class Runtime:
     fp8_dispatch: bool = False  # with FP8 on, the dispatch all-to-all moves FP8 (DeepSeek)
     # With FP8 on, each FP8 GEMM's input is saved for backward as its 1-byte FP8 copy, as TE's
     # per-tensor recipes and DeepSeek-V3 do; hyperloom's block recipes save the input itself
-    # unless `precision.fp8_activation` (`runtime_of` reads the job).
+    # unless `precision.fp8_activation` (`Runtime.from_job` reads the job).
     fp8_saved_inputs: bool = True
 
     @property
@@ -131,6 +132,22 @@ class Runtime:
                 self, param_bytes=2, autocast_weight_copy=False, param_gather_bytes=2
             )
         return dataclasses.replace(self, param_bytes=4)
+
+    @classmethod
+    def from_job(cls, job: JobConfig) -> Runtime:
+        """The hyperloom runtime as this job runs it (`job_runtime`): the fused cross-entropy
+        unless its ops keep the reference loss (vocab-parallel heads always run the chunked
+        operator); FP8 layers save their inputs' FP8 copies under `precision.fp8_activation`,
+        and per-tensor recipes (current, delayed) whenever their weight-gradient GEMM is FP8
+        (`engine.fp8.modules`): with the forward and weight-gradient GEMMs both in high
+        precision nothing is quantized to keep."""
+        ops, p8 = job.ops, job.precision
+        fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
+        high = set(p8.fp8_high_precision)
+        quantized = not {"fprop", "wgrad"} <= high
+        per_tensor = p8.fp8 in ("current", "delayed") and "wgrad" not in high
+        copies = quantized and (p8.fp8_activation or per_tensor)
+        return job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
 
 
 def job_runtime(
@@ -226,6 +243,39 @@ class Strategy:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_job(
+        cls,
+        job: JobConfig,
+        schedule: str | None = None,
+        vpp: int | None = None,
+        recompute: str = "none",
+        fp8: bool | None = None,
+    ) -> Strategy:
+        """The layout a training job runs: [parallel] and [train] read as `hyperloom train`
+        reads them (a step is `microbatches x grad_accum` micro-batches per dp rank); the
+        schedule kind, chunks per rank and FP8 from the job unless given."""
+        par, tr = job.parallel, job.train
+        kind = schedule or (par.pp_schedule if par.pp > 1 else "1f1b")
+        chunks = vpp or (par.vpp if kind == "interleaved" else 1)
+        return cls(
+            tp=par.tp,
+            pp=par.pp,
+            dp=par.dp,
+            cp=par.cp,
+            ep=par.ep,
+            dispatcher=par.ep_dispatcher,
+            zero=par.zero,
+            sp=par.sp,
+            order=par.order,
+            mbs=tr.micro_batch_size,
+            microbatches=pipeline_microbatches(par) * tr.grad_accum,
+            schedule=kind,
+            vpp=chunks,
+            recompute=recompute,
+            fp8=job.precision.fp8 != "none" if fp8 is None else fp8,
+        )
 
 
 def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> str | None:

@@ -295,15 +295,15 @@ class Trainer:
         from hyperloom.data.build import cache_root
         from hyperloom.planner.hardware import load_profile
         from hyperloom.planner.selfcheck import CPU_PROFILE, cached_profile, cpu_share, self_check
+        from hyperloom.train.probe import measure_runtime_memory
 
         cfg, world = self.cfg, self.mesh.world_size
         choice = cfg.logging.self_check
         try:
-            if choice == "auto":
+            if choice == "auto":  # calibrates once; the trainer measures the host memory fit
                 root = cache_root(cfg.data)
-                profile = cached_profile(
-                    root, self.acc.kind, cfg.precision.dtype, world, cfg.train.host_allocator
-                )
+                kind, dtype, policy = self.acc.kind, cfg.precision.dtype, cfg.train.host_allocator
+                profile = cached_profile(root, kind, dtype, world, policy, measure_runtime_memory)
             else:
                 profile = load_profile(choice)
             share, local = 1.0, 1

@@ -16,13 +16,13 @@ from hyperloom.planner.collectives import (
 )
 from hyperloom.planner.costs import chunk_expert_params, chunk_params
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import ACCELERATORS, Cluster
+from hyperloom.planner.hardware import PROFILES, Cluster
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.search import SearchSpace, candidates, search
 from hyperloom.planner.simulate import lower_bound, predict, prepare
 from hyperloom.planner.strategy import RUNTIMES, Strategy, check
 
-H100 = ACCELERATORS["h100"]
+H100 = PROFILES["h100"]
 NVLINK = 450e9 * 0.8  # h100 profile: scale-up GB/s x efficiency
 NIC = 50e9 * 0.9  # one 400 Gb/s NIC x efficiency
 
@@ -257,7 +257,7 @@ def _ep1_cases():
 # runtime, pp > 1) changed by 0.07% and 0.56% when its pipeline sends became FP32
 # (`Runtime.p2p_bytes`); lite-z0 (+26%), lite-z3 (+21%) and llama-z1 (+7%), hyperloom's FP32
 # parameters under autocast, again when the weight casts of every micro-batch's forward and
-# of its weight gradients were costed (`Accelerator.cast_time`); llama-z1 (ZeRO-1) once more
+# of its weight gradients were costed (`HardwareProfile.cast_time`); llama-z1 (ZeRO-1) once more
 # with the runtime's own ZeRO-1 step (`Runtime.zero1_step_extra`).
 EP1_BEFORE = {
     "ds-z1": (
@@ -410,13 +410,13 @@ def test_cli_plans_deepseek_v3_with_ep(tmp_path, capsys):
 
 def test_training_self_check_plans_the_jobs_expert_parallelism():
     from hyperloom.planner.cli import load_job
-    from hyperloom.planner.selfcheck import job_strategy, self_check
+    from hyperloom.planner.selfcheck import self_check
 
     args = ["--model.preset=moe-tiny", "--data.seq_len=256", "--parallel.dp=2"]
     job = load_job(None, [*args, "--parallel.ep=2"])
-    assert job_strategy(job).ep == 2
-    with_ep = self_check(job, ACCELERATORS["h100"], 2, 0.5, 2e9)
-    without = self_check(load_job(None, args), ACCELERATORS["h100"], 2, 0.5, 2e9)
+    assert Strategy.from_job(job).ep == 2
+    with_ep = self_check(job, PROFILES["h100"], 2, 0.5, 2e9)
+    without = self_check(load_job(None, args), PROFILES["h100"], 2, 0.5, 2e9)
     assert "plan_error" not in with_ep, with_ep
     parts, ref = with_ep["predicted_memory_gib_by_part"], without["predicted_memory_gib_by_part"]
     assert parts["params"] < ref["params"]  # half the routed experts per rank

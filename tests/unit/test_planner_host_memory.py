@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from hyperloom.config import load_config
+from hyperloom.config import ModelConfig, load_config
 from hyperloom.engine.ops.cross_entropy import auto_chunk_tokens, linear_cross_entropy
 from hyperloom.engine.ops.memory import AllocationTracker
-from hyperloom.planner.hardware import Cluster, get_accelerator
+from hyperloom.planner.hardware import Cluster, get_profile
 from hyperloom.planner.memory import (
     ce_chunk_tokens,
     ce_working_bytes,
@@ -21,13 +21,12 @@ from hyperloom.planner.memory import (
     states,
 )
 from hyperloom.planner.model import ModelSpec
-from hyperloom.planner.selfcheck import runtime_of
 from hyperloom.planner.simulate import predict
-from hyperloom.planner.strategy import Strategy, job_runtime
+from hyperloom.planner.strategy import Runtime, Strategy, job_runtime
 
 # A small Llama: dim 64, vocab 1000, 2 layers.
-SMALL = ModelSpec("small", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                  vocab_size=1000)  # fmt: skip
+SMALL = ModelSpec(ModelConfig(preset="small", n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
+                              ffn_dim=128, vocab_size=1000))  # fmt: skip
 
 
 def test_zero1_states_and_its_flat_gradient_copy():
@@ -69,11 +68,11 @@ def test_ce_working_bytes_by_hand():
     s = Strategy(mbs=2, microbatches=1)
     assert ce_working_bytes(SMALL, s, 16) == 2 * 2 * 1000 * 64 + 16 * 32 * 1000
     # 2048 tokens of a 16k vocabulary split over tp 2: 256-token chunks of 8192 logits
-    big = dataclasses.replace(SMALL, dim=384, vocab_size=16384)
+    big = SMALL.with_config(dim=384, vocab_size=16384)
     tp2 = Strategy(tp=2, mbs=8, microbatches=1)
     assert ce_working_bytes(big, tp2, 256) == 2 * 2 * 8192 * 384 + 16 * 256 * 8192
     # a 128k vocabulary at dim 4096: the ∂W block stops at 128 MiB, the weight copy does not
-    huge = dataclasses.replace(SMALL, dim=4096, vocab_size=128256)
+    huge = SMALL.with_config(dim=4096, vocab_size=128256)
     one = Strategy(mbs=1, microbatches=1)
     c = 256  # 1024 tokens: ceil(1024 / ceil(128256 / 4096)) -> 256-token minimum
     assert ce_working_bytes(huge, one, 1024) == 2 * 128256 * 4096 + 2**27 + 16 * c * 128256
@@ -91,7 +90,7 @@ def test_fused_cross_entropy_allocates_what_the_model_says(tokens, dim, vocab):
             loss = linear_cross_entropy(h, w, labels)
         kept, fwd_peak = t.live_bytes, t.peak_bytes
     loss.backward()
-    spec = dataclasses.replace(SMALL, dim=dim, vocab_size=vocab)
+    spec = SMALL.with_config(dim=dim, vocab_size=vocab)
     s = Strategy(mbs=1, microbatches=1)
     extras = chunk_activation_extras(spec, s, tokens, False, True, True)
     assert kept == pytest.approx(extras - 2 * tokens * dim, abs=4096)  # all but the norm input
@@ -100,7 +99,7 @@ def test_fused_cross_entropy_allocates_what_the_model_says(tokens, dim, vocab):
 
 def test_host_memory_adds_a_fixed_part_and_a_share_of_the_churn_and_leaves_devices_alone():
     s = Strategy(dp=1, mbs=1, microbatches=1)
-    h100 = get_accelerator("h100")
+    h100 = get_profile("h100")
     cpu = dataclasses.replace(h100, host_runtime_bytes=90e6, host_churn_factor=0.4)
     plain = predict(SMALL, Cluster(h100, 1, 1), s, 16, margin_gib=0)
     held = predict(SMALL, Cluster(cpu, 1, 1), s, 16, margin_gib=0)
@@ -112,13 +111,13 @@ def test_host_memory_adds_a_fixed_part_and_a_share_of_the_churn_and_leaves_devic
     # the older form, resident bytes per live byte, still applies to profiles that carry it
     old = predict(SMALL, Cluster(dataclasses.replace(h100, host_alloc_factor=1.4), 1, 1), s, 16)
     assert old.memory[0].allocator == pytest.approx(0.4 * m0.live)
-    assert all(a.host_memory == (1.0, 0.0, 0.0) for a in map(get_accelerator, ("h100", "a100")))
+    assert all(a.host_memory == (1.0, 0.0, 0.0) for a in map(get_profile, ("h100", "a100")))
 
 
 def test_self_check_runtime_follows_the_job_ops():
     job = load_config(None, ["--ops.fused", "false"])
-    assert not runtime_of(job).fused_cross_entropy
-    assert runtime_of(load_config(None, [])).fused_cross_entropy
+    assert not Runtime.from_job(job).fused_cross_entropy
+    assert Runtime.from_job(load_config(None, [])).fused_cross_entropy
 
 
 @pytest.mark.parametrize(
@@ -137,7 +136,7 @@ def test_self_check_runtime_saves_fp8_inputs_as_the_layers_do(args, copies):
     under precision.fp8_activation or a per-tensor recipe whose weight gradient is FP8,
     else the input itself -- and the predicted activations follow (half the GEMM inputs)."""
     job = load_config(None, args)
-    rt = runtime_of(job)
+    rt = Runtime.from_job(job)
     assert rt.fp8_saved_inputs is copies
     s = Strategy(dp=1, mbs=1, microbatches=1, fp8=True)
     saved = predict(SMALL, Cluster.of("h100", 1), s, 16, rt, margin_gib=0).memory[0]
@@ -149,9 +148,10 @@ def test_self_check_runtime_saves_fp8_inputs_as_the_layers_do(args, copies):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2 and /proc")
 def test_runtime_memory_is_a_line_through_two_fresh_training_processes():
-    from hyperloom.planner.host_memory import RUNTIME_BATCHES, measure_runtime_memory
+    from hyperloom.planner.host_memory import RUNTIME_BATCHES, fit_runtime_memory
+    from hyperloom.train.probe import measure_runtime_memory
 
-    got = measure_runtime_memory(steps=2)
+    got = fit_runtime_memory([measure_runtime_memory(b, steps=2) for b in RUNTIME_BATCHES])
     if not got:
         pytest.skip("no glibc mallinfo2 here")
     (small, big) = got["runs"]
@@ -164,6 +164,52 @@ def test_runtime_memory_is_a_line_through_two_fresh_training_processes():
         surplus = run["resident_bytes"] - run["live_bytes"]
         line = got["fixed_bytes"] + got["churn_factor"] * run["churn_bytes"]
         assert line == pytest.approx(surplus, rel=1e-6) or got["fixed_bytes"] == 0
+
+
+def test_runtime_memory_fit_is_the_line_through_two_runs():
+    """The fit alone, on made-up runs: surplus 100 MB + 0.5 x churn, and {} if a run is
+    missing (no glibc, or a failed process)."""
+    from hyperloom.planner.host_memory import fit_runtime_memory
+
+    def run(churn):
+        return {"resident_bytes": 1e9 + 100e6 + 0.5 * churn, "live_bytes": 1e9,
+                "churn_bytes": churn}  # fmt: skip
+
+    got = fit_runtime_memory([run(40e6), run(200e6)])
+    assert got["churn_factor"] == pytest.approx(0.5)
+    assert got["fixed_bytes"] == pytest.approx(100e6)
+    assert fit_runtime_memory([run(40e6), {}]) == {} and fit_runtime_memory([]) == {}
+
+
+def test_calibration_takes_the_host_memory_fit_from_the_caller(monkeypatch):
+    """`calibrate` fits what the caller's probe measured (the planner runs no trainer); with
+    no probe the fit stays 0."""
+    from hyperloom.planner import calibrate as cal
+    from hyperloom.planner.host_memory import RUNTIME_BATCHES
+
+    monkeypatch.setattr(cal, "measure_gemms", lambda acc, dt, shapes: [(s, 1.0) for s in shapes])
+    monkeypatch.setattr(cal, "measure_memory", lambda acc, n: 10.0)
+    monkeypatch.setattr(
+        cal, "measure_elementwise", lambda *a, **k: {"total_gbs": 5.0, "cast_gbs": 2.0}
+    )
+    monkeypatch.setattr(cal, "measure_attention", lambda *a: (0.5, 0.4))
+    monkeypatch.setattr(cal, "measure_layer_overhead", lambda acc, dt: 1e-3)
+    asked = []
+
+    def probe(micro_batch: int, policy: str) -> dict:
+        asked.append((micro_batch, policy))
+        churn = 10e6 * micro_batch
+        return {"micro_batch": micro_batch, "resident_bytes": 300e6 + 80e6 + 0.25 * churn,
+                "live_bytes": 300e6, "churn_bytes": churn}  # fmt: skip
+
+    profile, raw = cal.calibrate("cpu", quick=True, collectives=False, runtime_memory=probe)
+    assert asked == [(b, "cache") for b in RUNTIME_BATCHES]
+    assert profile.host_runtime_bytes == pytest.approx(80e6)
+    assert profile.host_churn_factor == pytest.approx(0.25)
+    assert raw["runtime_memory"]["churn_factor"] == pytest.approx(0.25)
+    bare, raw = cal.calibrate("cpu", quick=True, collectives=False)
+    assert bare.host_runtime_bytes == 0 and bare.host_churn_factor == 0
+    assert "runtime_memory" not in raw
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])

@@ -6,7 +6,7 @@ import pytest
 
 from hyperloom.config import preset_config
 from hyperloom.models.deepseek import accounting
-from hyperloom.planner.hardware import Cluster, get_accelerator
+from hyperloom.planner.hardware import Cluster, get_profile
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.simulate import predict
 from hyperloom.planner.strategy import Strategy, check
@@ -42,7 +42,7 @@ def test_deepseek_v3_on_h100_plausible_mfu_and_memory():
         tp=8, pp=16, dp=16, zero=1, mbs=1, microbatches=960, recompute="full", schedule="1f1b"
     )
     assert check(s, spec, 4096, 2048) is None
-    plan = predict(spec, Cluster(get_accelerator("h100"), 2048), s, 4096, "megatron")
+    plan = predict(spec, Cluster(get_profile("h100"), 2048), s, 4096, "megatron")
     assert 0.05 < plan.mfu < 0.40
     assert plan.step_time > 0
     assert 10 * 2**30 < plan.peak_memory < 80 * 2**30
@@ -68,7 +68,7 @@ def test_moe_tiny_self_check_predicts(tmp_path):
     from hyperloom.planner.selfcheck import self_check
 
     job = load_job(None, ["--model.preset=moe-tiny", "--data.seq_len=256"])
-    out = self_check(job, get_accelerator("h100"), 1, 0.5, 2e9)
+    out = self_check(job, get_profile("h100"), 1, 0.5, 2e9)
     assert "plan_error" not in out, out
     assert out["predicted_step_s"] > 0 and out["predicted_peak_memory_gb"] > 0
     assert out["step_time_error"] == pytest.approx(out["predicted_step_s"] / 0.5 - 1)

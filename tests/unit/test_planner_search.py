@@ -143,7 +143,7 @@ def test_cli_predicts_a_job_config_with_pipeline(tmp_path, capsys):
 def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     from hyperloom.planner import predict
     from hyperloom.planner.calibrate import calibrate
-    from hyperloom.planner.hardware import get_accelerator, save_profile
+    from hyperloom.planner.hardware import get_profile, save_profile
     from hyperloom.planner.strategy import Strategy
 
     heard: list[str] = []
@@ -157,8 +157,55 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert 0 < profile.layer_overhead_s < 0.1  # host seconds per layer, forward + backward
     assert max(e for _, e in profile.gemm_table) == pytest.approx(1.0)
     path = save_profile(profile, tmp_path / "cpu.json", raw)
-    loaded = get_accelerator(str(path))
+    loaded = get_profile(str(path))
     assert loaded == profile
     tiny = ModelSpec.from_model_config(preset_config("tiny"))
     plan = predict(tiny, Cluster(loaded, 1, 1), Strategy(mbs=8), 256)
     assert plan.step_time > 0
+
+
+def _plans(path) -> list[dict]:
+    return json.loads(path.read_text())["plans"]
+
+
+def test_plan_subcommands_answer_as_the_plain_command(tmp_path, capsys):
+    """`plan predict CONFIG` is `plan CONFIG`, `plan search --model` is `plan --model`; an
+    option before the CONFIG still counts, and `plan search CONFIG` searches the job's model,
+    GPUs and batch."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        '[model]\npreset = "llama3-8b"\n[parallel]\ntp = 2\ndp = 4\n[train]\nmicro_batch_size = 1\n'
+        "[data]\nseq_len = 4096\n"
+    )
+    one = ["--json", str(tmp_path / "a.json")]
+    assert _run(["plan", str(cfg), "--recompute", "full", *one]) == 0
+    two = ["--json", str(tmp_path / "b.json")]
+    assert _run(["plan", "predict", str(cfg), "--recompute", "full", *two]) == 0
+    assert _plans(tmp_path / "a.json") == _plans(tmp_path / "b.json")
+    assert _run(["plan", "--accelerator", "a100", str(cfg), *one]) == 0
+    assert _plans(tmp_path / "a.json")[0]["accelerator"] == "a100"
+    query = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "2"]
+    query += ["--fix", "tp=2,pp=1,cp=1,zero=1,fp8=false,recompute=none"]
+    assert _run(["plan", *query, *one]) == 0
+    assert _run(["plan", "search", *query, *two]) == 0
+    assert _plans(tmp_path / "a.json") == _plans(tmp_path / "b.json")
+    assert _run(["plan", "search", str(cfg), "--top", "2", "--fix", "tp=2,pp=1", *one]) == 0
+    body = json.loads((tmp_path / "a.json").read_text())
+    assert body["query"]["gpus"] == 8 and body["query"]["global_batch"] == 4
+    assert "searched" in capsys.readouterr().out
+
+
+def test_plan_help_lists_the_subcommands_and_calibrate_gets_the_trainers_probe(monkeypatch):
+    import hyperloom.cli as top
+    from hyperloom.planner import calibrate as cal
+
+    text = add_plan_parser(argparse.ArgumentParser().add_subparsers()).format_help()
+    assert all(f"\n    {mode} " in text for mode in ("predict", "search", "calibrate"))
+    parser = top.build_parser()
+    seen = {}
+    monkeypatch.setattr(cal, "cmd_calibrate", lambda args, probe: seen.update(probe=probe) or 0)
+    args = parser.parse_args(["plan", "calibrate", "--quick", "--out", "x.json"])
+    assert args.func(args) == 0 and args.quick and args.out == "x.json"
+    assert seen["probe"] is top._runtime_memory  # the CLI hands the planner the trainer's probe
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "predict"])  # predict needs a CONFIG

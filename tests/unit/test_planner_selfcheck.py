@@ -10,13 +10,13 @@ import pytest
 from hyperloom.config import load_config, preset_config
 from hyperloom.planner import predict
 from hyperloom.planner.collectives import Link, collective_time, group_link
-from hyperloom.planner.hardware import ACCELERATORS, Cluster
+from hyperloom.planner.hardware import PROFILES, Cluster
 from hyperloom.planner.model import ModelSpec
 from hyperloom.planner.selfcheck import cpu_share, oversubscribed_step, self_check
 from hyperloom.planner.strategy import Strategy
 
 CPU = dataclasses.replace(
-    ACCELERATORS["h100"],
+    PROFILES["h100"],
     name="calibrated-cpu",
     bf16_tflops=0.4,
     hbm_gbs=40.0,

@@ -6,24 +6,29 @@ import dataclasses
 
 import pytest
 
-from hyperloom.config import preset_config
+from hyperloom.config import ModelConfig, preset_config
 from hyperloom.pipeline import Costs as PipeCosts
 from hyperloom.pipeline import build_schedule, closed_form_bubble
 from hyperloom.planner import Cluster, ModelSpec, PlanError, Strategy, predict
-from hyperloom.planner.hardware import ACCELERATORS
+from hyperloom.planner.hardware import PROFILES
 from hyperloom.planner.simulate import lower_bound, prepare
 
 LLAMA8B = ModelSpec.from_model_config(preset_config("llama3-8b"))
 LLAMA70B = ModelSpec.from_model_config(preset_config("llama3-70b"))
 # A free, instant interconnect and a 2-token vocabulary: stages are uniform, p2p costs nothing.
 IDEAL = dataclasses.replace(
-    ACCELERATORS["h100"],
+    PROFILES["h100"],
     intra_gbs=1e12,
     intra_latency_us=0.0,
     nic_gbs=1e12,
     inter_latency_us=0.0,
 )
-UNIFORM = ModelSpec("uniform", 64, 4096, 32, 8, 14336, 8)
+UNIFORM = ModelSpec(
+    ModelConfig(
+        preset="uniform", n_layers=64, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        vocab_size=8,
+    )
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("pp,m", [(4, 8), (8, 16), (4, 3)])

@@ -368,9 +368,9 @@ def test_corrupted_checkpoint_is_refused(trained, tmp_path):
 
 def test_self_check_puts_the_planner_beside_the_measurement(tmp_path, tiny_job_args):
     """With a profile, the summary carries predicted and measured step time and memory."""
-    from hyperloom.planner.hardware import get_accelerator, save_profile
+    from hyperloom.planner.hardware import get_profile, save_profile
 
-    profile = save_profile(get_accelerator("h100"), tmp_path / "h100.json")
+    profile = save_profile(get_profile("h100"), tmp_path / "h100.json")
     cfg = job(tmp_path / "r", tiny_job_args, train__steps=2, logging__self_check=str(profile))
     s = Trainer(cfg).run().summary
     assert s["plan_profile"] == "h100"

@@ -2,7 +2,7 @@
 
 For each temperature, generates `--tokens` tokens from each prompt (and seed, when sampling)
 twice: plainly (`hyperloom.inference.generate`) and speculatively with the checkpoint's MTP
-modules as the draft (`hyperloom.models.deepseek.speculative`). Prints the acceptance rate
+modules as the draft (`hyperloom.inference.speculative`). Prints the acceptance rate
 (accepted / drafted tokens), the tokens per main-model forward and the wall time per token of
 both, whether greedy output matched, and writes them to JSON.
 

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from hyperloom.checkpoint.hf import ConvertError, add_convert_parser
 from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
-from hyperloom.models.convert import ConvertError, add_convert_parser
 from hyperloom.pipeline import ScheduleError
 from hyperloom.pipeline.cli import add_schedule_parser
 from hyperloom.planner import PlanError

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hyperloom.checkpoint.commit import latest_verified, verify_checkpoint
 from hyperloom.checkpoint.layout import (
     CheckpointError,
@@ -37,12 +35,30 @@ from hyperloom.checkpoint.layout import (
     resolve_checkpoint,
     staging_dir,
 )
-from hyperloom.checkpoint.rng import restore_rng, rng_state
-from hyperloom.checkpoint.whole import load_train_state, load_weights, save_checkpoint
-from hyperloom.checkpoint.writer import CheckpointWriter, Writer
+from hyperloom.models.lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    import torch
+
+    from hyperloom.checkpoint.rng import restore_rng, rng_state
+    from hyperloom.checkpoint.whole import load_train_state, load_weights, save_checkpoint
+    from hyperloom.checkpoint.writer import CheckpointWriter, Writer
     from hyperloom.parallel.layout import ParallelModel
+
+# The modules that need torch load on first use: the CLI's converter and `config show`
+# import this package without paying for torch.
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "restore_rng": "hyperloom.checkpoint.rng",
+        "rng_state": "hyperloom.checkpoint.rng",
+        "load_train_state": "hyperloom.checkpoint.whole",
+        "load_weights": "hyperloom.checkpoint.whole",
+        "save_checkpoint": "hyperloom.checkpoint.whole",
+        "CheckpointWriter": "hyperloom.checkpoint.writer",
+        "Writer": "hyperloom.checkpoint.writer",
+    },
+)
 
 __all__ = [
     "CheckpointError",
@@ -59,6 +75,7 @@ __all__ = [
     "load_model_state",
     "load_state",
     "load_train_state",
+    "load_weights",
     "open_writer",
     "resolve_checkpoint",
     "restore_rng",
@@ -83,6 +100,8 @@ def open_writer(
         from hyperloom.checkpoint.sharded import ShardedCheckpointWriter
 
         return ShardedCheckpointWriter(Path(run_dir), keep, async_save, on_failure)
+    from hyperloom.checkpoint.writer import CheckpointWriter
+
     return CheckpointWriter(Path(run_dir), keep, async_save, on_failure)
 
 
@@ -92,6 +111,8 @@ def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
         from hyperloom.checkpoint.sharded import load_full
 
         return load_full(ckpt)[0]
+    from hyperloom.checkpoint.whole import load_weights
+
     return load_weights(ckpt)
 
 
@@ -117,6 +138,7 @@ def load_state(pm: ParallelModel, opt, ckpt: Path, train_state: dict[str, Any]) 
         load_sharded_state(pm, opt, ckpt)
         return
     from hyperloom.checkpoint.state import load_full_model_state, load_full_optimizer_state
+    from hyperloom.checkpoint.whole import load_weights
 
     load_full_model_state(pm, load_weights(ckpt))
     load_full_optimizer_state(pm, opt, train_state["optimizer"])

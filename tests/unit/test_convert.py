@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from hyperloom import checkpoint as ckpt
+from hyperloom.checkpoint.hf import ConvertError, export_hf, import_hf
 from hyperloom.config import JobConfig, dumps_toml, preset_config
-from hyperloom.models.convert import ConvertError, export_hf, import_hf
 from hyperloom.models.registry import init_model
 
 LLAMA = dict(

@@ -44,17 +44,19 @@ LEVELS: dict[str, int] = {
     "models": 2,
     # 3: what is applied to a model or feeds it
     "parallel": 3,
-    "pipeline": 3,
-    "checkpoint": 3,
     "data": 3,
-    # 4: what drives a run or predicts one
-    "planner": 4,
-    "resilience": 4,
-    "train": 4,
-    # 5: entry points
-    "cli": 5,
-    "inference": 5,
-    "__main__": 5,
+    # 4: what runs or stores a parallelized model (the pipeline runs the parallelize recipe
+    # per chunk; checkpoints gather and slice a layout's tensors through its handle)
+    "pipeline": 4,
+    "checkpoint": 4,
+    # 5: what drives a run or predicts one
+    "planner": 5,
+    "resilience": 5,
+    "train": 5,
+    # 6: entry points
+    "cli": 6,
+    "inference": 6,
+    "__main__": 6,
 }
 
 # (importer, imported) packages of one level that may import each other, in that direction.
@@ -67,32 +69,6 @@ SAME_LEVEL_ALLOWED: set[tuple[str, str]] = {
 
 # Model families: hyperloom/parallel/ may import none of them.
 MODEL_FAMILIES = ("hyperloom.models.llama", "hyperloom.models.deepseek")
-
-# Today's violations, as (importer module, imported module) pairs; for a cycle, the pair is
-# the two packages of one edge of the cycle. The issue-28 restructure removes them. The test
-# fails on a violation not listed here AND on a listed one that no longer exists, so this set
-# only ever shrinks: delete an entry when its import is gone; when the set is empty, remove
-# it and its use in `test_layering`. `python tests/unit/test_layering.py` prints the entries.
-KNOWN_VIOLATIONS: set[tuple[str, str]] = {
-    # layer
-    ("hyperloom.models.convert", "hyperloom.train.checkpoint"),
-    ("hyperloom.models.deepseek.speculative", "hyperloom.inference"),
-    ("hyperloom.pipeline.runtime", "hyperloom.parallel.expert_parallel"),
-    ("hyperloom.pipeline.runtime", "hyperloom.parallel.layout"),
-    ("hyperloom.pipeline.runtime", "hyperloom.parallel.mesh"),
-    ("hyperloom.pipeline.runtime", "hyperloom.parallel.parallelize"),
-    ("hyperloom.pipeline.runtime", "hyperloom.parallel.zero1"),
-    ("hyperloom.resilience.checkpoint", "hyperloom.train.checkpoint"),
-    ("hyperloom.resilience.drill", "hyperloom.train.checkpoint"),
-    ("hyperloom.resilience.guard", "hyperloom.train.checkpoint"),
-    ("hyperloom.resilience.guard", "hyperloom.train.trainer"),
-    ("hyperloom.resilience.sharded", "hyperloom.train.checkpoint"),
-    # no-cycles
-    ("hyperloom.models", "hyperloom.inference"),
-    ("hyperloom.models", "hyperloom.train"),
-    ("hyperloom.pipeline", "hyperloom.parallel"),
-    ("hyperloom.resilience", "hyperloom.train"),
-}
 
 ROOT = Path(__file__).resolve().parents[2] / "hyperloom"
 
@@ -439,41 +415,9 @@ def test_every_package_has_a_level():
     assert not missing, f"packages without a level in LEVELS: {missing}"
 
 
-def compare_with_known(live: list[Violation], known: set[tuple[str, str]]) -> str:
-    """What is wrong with `live` against `known`: new violations, and listed ones now fixed."""
-    new = [v for v in live if v.pair not in known]
-    gone = sorted(known - {v.pair for v in live})
-    problems = []
-    if new:
-        problems.append(f"new layering violations:\n{_report(new)}")
-    if gone:
-        listed = "\n".join(f"  {pair}" for pair in gone)
-        problems.append(
-            "fixed, so remove them from KNOWN_VIOLATIONS in tests/unit/test_layering.py:\n" + listed
-        )
-    return "\n".join(problems)
-
-
 def test_layering(live):
-    """No violation outside KNOWN_VIOLATIONS, and every listed one still exists."""
-    print(f"\n{len(live)} layering violations today:\n{_report(live)}")
-    problems = compare_with_known(live, KNOWN_VIOLATIONS)
-    assert not problems, problems
-
-
-def test_known_violations_only_shrink():
-    files = {
-        "hyperloom/models/__init__.py": "",
-        "hyperloom/models/convert.py": "from hyperloom.train import checkpoint\n",
-        "hyperloom/train/__init__.py": "",
-        "hyperloom/train/checkpoint.py": "",
-    }
-    live = _check(files)
-    pair = ("hyperloom.models.convert", "hyperloom.train.checkpoint")
-    assert compare_with_known(live, {pair}) == ""
-    assert "new layering violations" in compare_with_known(live, set())
-    fixed = compare_with_known([], {pair})  # the import is gone, the entry is not
-    assert "fixed, so remove them from KNOWN_VIOLATIONS" in fixed and repr(pair) in fixed
+    """No module breaks a rule; each violation is listed with its file and line."""
+    assert not live, f"{len(live)} layering violations:\n{_report(live)}"
 
 
 def _check(files: dict[str, str]) -> list[Violation]:
@@ -575,21 +519,7 @@ def test_relative_imports_resolve():
     assert _resolve_relative("hyperloom.engine.fp8.gemm", False, 3, None) == "hyperloom"
 
 
-def known_violations_source(violations: list[Violation]) -> str:
-    """`violations` written as the body of KNOWN_VIOLATIONS, grouped by rule."""
-    lines, seen = [], set()
-    for rule in sorted({v.rule for v in violations}):
-        pairs = sorted({v.pair for v in violations if v.rule == rule} - seen)
-        seen.update(pairs)
-        if pairs:
-            lines.append(f"    # {rule}")
-            lines += [f"    {pair!r}," for pair in pairs]
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":  # print today's violations: python tests/unit/test_layering.py
     violations = find_violations(collect_imports(tree_sources()))
     print(_report(violations) or "no violations")
-    print("\nas KNOWN_VIOLATIONS entries:")
-    print(known_violations_source(violations))
     sys.exit(0)

@@ -14,7 +14,7 @@ from hyperloom.accelerator import Accelerator
 from hyperloom.config import ModelConfig, load_config, preset_config
 from hyperloom.engine.ops import OpImpls
 from hyperloom.inference import generate
-from hyperloom.models.deepseek import speculative as spec
+from hyperloom.inference import speculative as spec
 from hyperloom.models.deepseek.mla import MLACache
 from hyperloom.models.registry import init_model
 from hyperloom.train.trainer import Trainer

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperloom.accelerator import Accelerator
-from hyperloom.inference import decode_length, filter_logits
+from hyperloom.inference.generate import decode_length, filter_logits
 from hyperloom.models.deepseek.mla import MLACache
 
 

@@ -150,7 +150,7 @@ def complete(
     loaded: LoadedModel, prompt: str, max_new_tokens: int, speculative: bool = False, **kwargs
 ) -> tuple[str, dict[str, float]]:
     """Generate text for `prompt`; returns (continuation, stats). `speculative` drafts with the
-    model's MTP modules (`hyperloom.models.deepseek.speculative`) and adds what it counted."""
+    model's MTP modules (`hyperloom.inference.speculative`) and adds what it counted."""
     ids = loaded.tokenizer.encode(prompt)
     kwargs.update(
         eos_id=loaded.tokenizer.eos_id, acc=loaded.acc, dtype=DTYPES[loaded.cfg.precision.dtype]
@@ -158,7 +158,7 @@ def complete(
     start = time.perf_counter()
     extra: dict[str, float] = {}
     if speculative:
-        from hyperloom.models.deepseek import speculative as spec
+        from hyperloom.inference import speculative as spec
 
         out, counts = spec.generate(loaded.model, ids, max_new_tokens, **kwargs)
         extra = counts.as_dict()

@@ -80,6 +80,11 @@ class ResilienceConfig:
     warmup: int = knob(64, "healthy steps before spikes are checked (NaN/Inf always are)")
     stable_steps: int = knob(10, "healthy steps after a checkpoint that make it stable")
     lr_factor: float = knob(1.0, "multiply the learning rate by this after each rollback")
+    max_skips: int = knob(
+        3,
+        "skip: after this many skipped updates in a row, roll back to the last stable "
+        "checkpoint (stop if there is none)",
+    )
     max_rollbacks: int = knob(3, "give up after this many rollbacks within rollback_window")
     rollback_window: int = knob(1000, "steps over which rollbacks are counted")
     watchdog_s: float = knob(0.0, "exit (for torchrun to restart) after this long without a step")
@@ -93,7 +98,8 @@ class ResilienceConfig:
     def problems(self, job: JobConfig) -> list[str]:
         """Detector settings in range; rollback and drills against the checkpoint settings."""
         r, p = self, []
-        for key, least in (("window", 2), ("max_rollbacks", 1), ("rollback_window", 1)):
+        checks = (("window", 2), ("max_skips", 1), ("max_rollbacks", 1), ("rollback_window", 1))
+        for key, least in checks:
             if getattr(r, key) < least:
                 p.append(f"resilience.{key} must be >= {least}, got {getattr(r, key)}")
         if r.sigma <= 0 or r.max_factor <= 1:

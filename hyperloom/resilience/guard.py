@@ -23,6 +23,7 @@ multiplies its scheduled rate by it.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -103,7 +104,7 @@ class Guard:
         self.events = EventLog(self.run_dir, enabled=self.main)
         self.detector = AnomalyDetector(r.window, r.sigma, r.max_factor, r.warmup)
         self.policy = RecoveryPolicy(
-            r.on_anomaly, r.stable_steps, r.max_rollbacks, r.rollback_window
+            r.on_anomaly, r.stable_steps, r.max_rollbacks, r.rollback_window, r.max_skips
         )
         self.inject = FaultInjector(r.inject, self.run_dir, mesh.global_rank)
         self.writer = ckpt.open_writer(
@@ -124,10 +125,11 @@ class Guard:
         loss_v, norm_v = self._read(loss, grad_norm)
         anomaly = self.detector.check(step, loss_v, norm_v)
         if anomaly is None:
+            self.policy.healthy_step()
             return True
         self.events.emit("anomaly", anomaly.detail, **anomaly.as_record())
         committed = []
-        if self.cfg.on_anomaly == "rollback":
+        if self.cfg.on_anomaly == "rollback" or self.policy.escalates():
             self.writer.wait()  # the newest checkpoint may still be in flight
             committed = self._committed()
             if self.world > 1:  # what the main rank (the writer) sees, for every rank
@@ -143,9 +145,30 @@ class Guard:
                     f"healthy steps)"
                 )
             self.events.emit("skip", f"dropped the update of step {step}{why}", step=step)
-        else:
-            self._pending = (anomaly, action, target)
+            return False
+        if self.cfg.on_anomaly == "skip" and action in ("rollback", "skips_exhausted"):
+            self.events.emit(
+                "escalate",
+                f"{self.cfg.max_skips} updates in a row were skipped: "
+                + (f"rolling back to step {target}" if target is not None else "stopping"),
+                step=step,
+            )
+        self._pending = (anomaly, action, target)
         return False
+
+    def check_final(self, step: int, val_loss: float) -> None:
+        """The run's end: a non-finite validation loss means non-finite weights, whatever the
+        policy (with `on_anomaly = "none"` nothing caught it before); stop before the final
+        checkpoint rather than finish "successfully"."""
+        if math.isfinite(val_loss):
+            return
+        msg = (
+            f"stopped at step {step}: the final validation loss is {val_loss} (the weights are "
+            "not finite); the final checkpoint was not written. Lower train.lr or resume from "
+            "an earlier checkpoint"
+        )
+        self.events.emit("stop", msg, level=logging.ERROR, step=step)
+        raise TrainingHalted(msg)
 
     def _read(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
         """(loss, grad norm) as floats, the same on every rank: one host sync per step."""
@@ -170,6 +193,10 @@ class Guard:
                     f"{anomaly.detail}; the update was not applied and nothing after step "
                     f"{anomaly.step - 1} was checkpointed"
                 )
+                self.events.emit("stop", msg, level=logging.ERROR, step=anomaly.step)
+                raise TrainingHalted(msg)
+            if action == "skips_exhausted":
+                msg = self.policy.skips_exhausted_report(anomaly)
                 self.events.emit("stop", msg, level=logging.ERROR, step=anomaly.step)
                 raise TrainingHalted(msg)
             if action == "give_up":
@@ -265,10 +292,15 @@ class Guard:
         return path
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_scale": self.lr_scale, "detector": self.detector.state_dict()}
+        return {
+            "lr_scale": self.lr_scale,
+            "detector": self.detector.state_dict(),
+            "skips": self.policy.skips,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scale = state.get("lr_scale", 1.0)
+        self.policy.skips = state.get("skips", 0)
         if "detector" in state:
             self.detector.load_state_dict(state["detector"])
 

@@ -3,8 +3,12 @@
 `resilience.on_anomaly` chooses among
 
 - **skip**: drop the update (the gradients are zeroed, the optimizer does not step) and go
-  on with the next batch. Cheap and local; right for a rare bad batch. This is OLMo-core's
-  skip-step and torchft's "discard the failed step" (REFERENCE §5.5, §5.7).
+  on with the next batch. Cheap and local; right for a rare bad batch (OLMo-core's skip-step,
+  torchft's "discard the failed step"). A fault that is not in one batch (weights already
+  non-finite, a learning rate that diverges) makes every step anomalous, so after
+  `max_skips` skips in a row the policy escalates: it rolls back to the last stable
+  checkpoint as `rollback` does, or, with none, stops. A run never finishes by skipping
+  every step.
 - **rollback**: restore the last *stable* checkpoint, one that was followed by
   `stable_steps` healthy steps (the state right before a spike may already be the cause),
   advance the data loader past the window of batches that led to the anomaly, optionally
@@ -43,6 +47,8 @@ class RecoveryPolicy:
     stable_steps: int
     max_rollbacks: int
     rollback_window: int
+    max_skips: int = 0  # consecutive skips before escalating (0: never, for action "rollback")
+    skips: int = 0  # updates skipped in a row so far
     anomalies: list[int] = field(default_factory=list)  # steps, this timeline
     rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (anomaly step, target)
 
@@ -55,23 +61,44 @@ class RecoveryPolicy:
                 return s
         return None
 
+    def escalates(self) -> bool:
+        """Whether the next anomaly makes `skip` roll back or stop (`max_skips` in a row)."""
+        return self.action == "skip" and self.skips >= self.max_skips
+
+    def healthy_step(self) -> None:
+        self.skips = 0
+
     def decide(self, anomaly: Anomaly, committed: list[int]) -> tuple[str, int | None]:
-        """("skip" | "rollback" | "stop" | "give_up", rollback target step)."""
+        """("skip" | "rollback" | "stop" | "give_up" | "skips_exhausted", rollback target);
+        `committed` matters for "rollback" and for a `skip` that `escalates`."""
         self.anomalies.append(anomaly.step)
         if self.action == "stop":
             return "stop", None
-        if self.action != "rollback":
+        if self.action == "skip" and not self.escalates():
+            self.skips += 1
             return "skip", None
         recent = [a for a, _ in self.rollbacks if a > anomaly.step - self.rollback_window]
         if len(recent) >= self.max_rollbacks:
             return "give_up", None
         target = self.stable_checkpoint(committed, anomaly.step - 1)
         if target is None:
+            if self.action == "skip":
+                return "skips_exhausted", None
             return "skip", None
+        self.skips = 0
         self.rollbacks.append((anomaly.step, target))
         # The steps after the target are replayed on other data: their history is void.
         self.anomalies = [a for a in self.anomalies if a <= target]
         return "rollback", target
+
+    def skips_exhausted_report(self, anomaly: Anomaly) -> str:
+        return (
+            f"stopped at step {anomaly.step}: {self.max_skips} updates in a row were anomalous "
+            f"and skipped (resilience.max_skips = {self.max_skips}), the last: "
+            f"{anomaly.detail}; no stable checkpoint to roll back to (one followed by "
+            f"{self.stable_steps} healthy steps). Lower train.lr, check the data, or resume "
+            "from an earlier checkpoint"
+        )
 
     def give_up_report(self, anomaly: Anomaly) -> str:
         lines = [

@@ -401,6 +401,7 @@ class Trainer:
                     window.restart()
             val_loss = self.evaluate()
             reporter.eval_metrics(self.step, val_loss)
+            self.guard.check_final(self.step, val_loss)  # a run never ends "done" with NaN
         finally:
             self.guard.close()
             reporter.close()

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hyperloom.checkpoint import list_checkpoints
 from hyperloom.config import load_config
@@ -89,3 +90,50 @@ def test_gives_up_after_too_many_rollbacks(tiny_job_args, tmp_path):
         )
     assert "anomaly at step 9 -> back to step 6" in str(exc.value)
     assert [e["event"] for e in json_events(tmp_path)][-1] == "give_up"
+
+
+def test_skip_escalates_to_a_rollback_after_max_skips_in_a_row(clean, tiny_job_args, tmp_path):
+    s = run(
+        tmp_path,
+        tiny_job_args,
+        resilience__max_skips=2,
+        resilience__inject="nan_grad@9,nan_grad@10,nan_grad@11",
+    )
+    events = [e["event"] for e in json_events(tmp_path)]
+    assert events == [
+        *["anomaly", "skip"] * 2,
+        *["anomaly", "escalate", "rollback"],
+    ], events
+    rollback = json_events(tmp_path)[-1]
+    assert rollback["target"] == 6  # the newest checkpoint that 2 healthy steps followed
+    assert abs(s["final_val_loss"] - clean["final_val_loss"]) < 0.02 * clean["final_val_loss"]
+
+
+def test_skip_stops_when_it_cannot_escalate(tiny_job_args, tmp_path):
+    """Anomalies in a row with no checkpoint to roll back to end the run with an error, not
+    with a run that skipped its way to the end."""
+    with pytest.raises(TrainingHalted, match="3 updates in a row were anomalous") as exc:
+        run(
+            tmp_path,
+            tiny_job_args,
+            checkpoint__every=0,
+            resilience__inject=",".join(f"nan_grad@{k}" for k in range(3, 17)),
+        )
+    assert "stopped at step 6" in str(exc.value)
+    assert [e["event"] for e in json_events(tmp_path)][-2:] == ["escalate", "stop"]
+
+
+def test_skips_in_a_row_are_counted_across_a_resume(tiny_job_args, tmp_path):
+    s = run(tmp_path, tiny_job_args, train__stop_at_step=10, resilience__inject="nan_grad@10")
+    assert s["steps"] == 10
+    state = torch.load(list_checkpoints(tmp_path)[-1] / "train_state.pt", weights_only=False)
+    assert state["resilience"]["skips"] == 1
+
+
+def test_a_run_never_finishes_with_non_finite_weights(tiny_job_args, cli, tmp_path):
+    """A learning rate that diverges, with the default policy: the run ends with exit 2 and
+    one line, and no final checkpoint of non-finite weights is written."""
+    result = cli("train", *tiny_job_args(tmp_path, train__lr=1e3, train__steps=30))
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "stopped at step" in last, result.stderr[-2000:]

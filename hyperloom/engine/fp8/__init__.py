@@ -1,13 +1,9 @@
 """FP8 hybrid-precision engine: formats, scaling recipes, quantized GEMMs, FP8 linear layers.
 
-Knows nothing of process groups; layers that do (tensor parallel) call `fp8_linear`, MoE
-experts call `fp8_grouped_linear`, and the pipeline's split backward hands FP8 layers a
-queue for their weight-gradient GEMMs (`defer_weight_grads`). Where the pieces meet the
-parallel layouts: tp reduces per-tensor amaxes over the group (`reduce_amax`); dp reduces
-delayed scaling's histories over the replicas after each micro-batch; pp converts
-each chunk and gathers the delayed-scaling state by global name for checkpoints
-(`hyperloom.pipeline.runtime`); ep carries the experts' recipe to each rank's experts,
-whose per-expert delayed-scaling state `fp8_state_dict` gathers whole over ep.
+Knows nothing of process groups. Tensor parallelism reduces per-tensor amaxes through
+`reduce_amax`, MoE experts use `fp8_grouped_linear`, the pipeline's split backward hands FP8
+layers a queue for their weight-gradient GEMMs (`defer_weight_grads`), and expert parallelism
+gathers per-expert delayed-scaling state whole through `fp8_state_dict`.
 """
 
 from hyperloom.engine.fp8.convert import (

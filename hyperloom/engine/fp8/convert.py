@@ -1,26 +1,15 @@
-"""Swap a model's `nn.Linear` layers for FP8 ones, except those configured to stay high
-precision, and carry their scaling state.
+"""Swap a model's `nn.Linear` layers and MoE experts for FP8 ones, except those kept in high
+precision.
 
-Which layers stay in BF16/FP32 is explicit configuration (`precision.fp8_keep`): fnmatch
-patterns over module paths. The defaults follow DeepSeek-V3 §3.3.1 and TE practice -- the
-embedding, the output head, MoE routers/gates and norms keep their precision, since they are
-cheap and numerically sensitive; the attention core (softmax(QKᵀ)V) is not an `nn.Linear`
-and is never converted. Megatron's `--first-last-layers-bf16` (whole first / last transformer
-blocks in high precision) is `precision.fp8_bf16_first_layers` / `fp8_bf16_last_layers`, which
-the job turns into `layers.N.*` keep patterns (`hyperloom.parallel.apply_fp8`). MoE experts
-(stacked (E, out, in) weights, not `nn.Linear`) are switched to the engine's FP8 grouped
-linear (every recipe, delayed with per-expert histories); a keep pattern such as
-"*experts*" keeps them in BF16. The DeepSeek router is a
-float32 `F.linear` on its own parameter and never converts. Conversion runs on the
-meta-device model before parallelization, and reuses each layer's Parameter objects, so
-parameter names (state dicts, tensor-parallel shard specs) do not change.
-
-A model whose attention logits have grown large attends almost one-hot, and E4M3's rounding
-of q and k then decides which key wins: on the default tiny Llama (lr 3e-3, logits up to ~500)
-its q/k gradients came out mostly noise, and adding "*.wq", "*.wk" to the keep list took a
-1000-step blockwise run from +0.97% to +0.22% of BF16's validation loss (one seed;
-benchmarks/README.md, `fp8_convergence.py` and `fp8_gradient_fidelity.py`). They stay FP8 by
-default, as in DeepSeek-V3.
+`precision.fp8_keep` holds fnmatch patterns over module paths that stay in BF16/FP32. The
+defaults follow DeepSeek-V3 §3.3.1 and TransformerEngine practice: embeddings, the output
+head, MoE routers/gates and norms are cheap and numerically sensitive; the attention core is
+no `nn.Linear` and never converts. Megatron's `--first-last-layers-bf16` becomes `layers.N.*`
+keep patterns (`hyperloom.parallel.apply_fp8`). Stacked experts switch to the FP8 grouped
+linear. Conversion runs on the meta-device model before parallelization and reuses each
+layer's Parameters, so parameter names do not change. The attention q/k projections stay FP8
+by default, as in DeepSeek-V3; keeping them in BF16 helps a model whose attention logits have
+grown large (docs/fp8.md).
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """FP8 formats and the element-wise cast: scale, saturate, round to nearest even.
 
-Two 8-bit formats (Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433):
+E4M3 (`float8_e4m3fn`, largest finite 448, no infinities) and E5M2 (`float8_e5m2`, largest
+finite 57344, IEEE Inf/NaN), per Micikevicius et al., arXiv 2209.05433. A format choice names
+what each GEMM operand uses: "hybrid" (E4M3 forward, E5M2 for gradients, which need range more
+than precision; TransformerEngine's default) or "e4m3" everywhere (DeepSeek-V3 §3.3, where
+fine-grained scales keep gradients in range).
 
-- E4M3 (`torch.float8_e4m3fn`): 4 exponent bits, 3 mantissa bits, largest finite 448. The
-  "fn" variant has no infinities and a single NaN encoding, which buys one more binade.
-- E5M2 (`torch.float8_e5m2`): 5 exponent bits, 2 mantissa bits, largest finite 57344; it
-  keeps IEEE infinities and NaNs.
-
-A *format choice* names which of the two each GEMM operand uses: "hybrid" (E4M3 for the
-forward tensors -- activations and weights -- and E5M2 for gradients, which need range more
-than precision; TransformerEngine's default) or "e4m3" (everywhere; DeepSeek-V3 §3.3, which
-gets away with it because fine-grained scales keep gradients in range).
-
-The cast is "saturating": values scaled past the format's largest finite value are clamped
-to it rather than overflowing. `torch`'s own float -> float8 conversion rounds to nearest,
-ties to even (checked in tests/unit/test_fp8_formats.py) but turns +-Inf into +-448 for
-E4M3, which would hide an overflow; `cast_to_fp8` maps Inf to NaN for E4M3 (it has no Inf)
-and keeps it for E5M2, so a non-finite input always stays visibly non-finite.
+The cast saturates: values scaled past the largest finite value clamp to it. torch's own
+conversion turns +-Inf into +-448 for E4M3, hiding an overflow, so `cast_to_fp8` maps Inf to
+NaN for E4M3 and keeps it for E5M2: a non-finite input stays visibly non-finite.
 """
 
 from __future__ import annotations

@@ -1,40 +1,26 @@
 """FP8 GEMM: out = A Bᵀ for A (M, K) and B (N, K) quantized along K, higher-precision out.
 
-Two paths with the same numerics:
+Three paths with the same numerics:
 
-- `torch._scaled_mm` on accelerators when both operands have one scale per tensor or per row
-  (scales spanning all of K): the scales factor out of the sum,
-  out = diag(sa) (Aq Bqᵀ) diag(sb). It runs on CUDA SM89+; if the device rejects a call
-  (unsupported shape or dtype pair) we fall back to the emulation and log it once.
-- An emulation: each operand dequantized (FP8 value x its block's scale, formed in FP32) and
-  one FP32 GEMM. On CPU this is what `torch._scaled_mm` itself computes (tensorwise and
-  rowwise; tests/unit/test_fp8_linear.py checks the bits), but `_scaled_mm` converts E4M3 in
-  a scalar loop: 57 ms against 36 ms for this path at 2048 x 512 x 1536 on this project's
-  CPU, so CPU always emulates.
+- `torch._scaled_mm` on GPUs (SM89+) when each operand has one scale per tensor or per row:
+  the scales factor out of the sum, out = diag(sa) (Aq Bqᵀ) diag(sb).
+- cuBLAS's block-scaled GEMM (`F.scaled_mm`, Hopper) for DeepSeek-V3's 1 x 128 / 128 x 128
+  blocks. Its scale layouts follow PyTorch's OpInfo samples and have not run on a GPU here, so
+  the first call of each pairing is checked against the emulation (`BLOCKWISE_CHECK_TOL`); a
+  mismatch or error turns the path off with one warning.
+- An emulation: dequantize each operand (FP8 value x block scale, in FP32), then one GEMM.
+  CPU always takes it; it is faster there than `_scaled_mm`'s scalar E4M3 conversion.
 
-- cuBLAS's block-scaled FP8 GEMM (`torch.nn.functional.scaled_mm`, Hopper with CUDA >= 12.9)
-  for DeepSeek-V3's blocks on a GPU: 1 x 128 tiles against 128 x 128 blocks (forward and
-  data gradient) or against 1 x 128 tiles (weight gradient). It wants K in whole 128-blocks and
-  its scales "outer-dim-major"; the 128 x 128 operand's scale rows padded to a multiple of
-  four blocks. Those layouts follow PyTorch's own OpInfo samples and were not run on a GPU
-  here, so the first call of each pairing is checked against the emulation (relative error
-  <= BLOCKWISE_CHECK_TOL); a mismatch or an error turns the path off with one warning and
-  the emulation answers instead.
+For scales that change along K (blockwise, MX) the emulation is DeepSeek-V3's FP32 promotion
+(arXiv 2412.19437 §3.3.2; DeepGEMM) taken to its limit: instead of scaling each 128-wide
+partial sum, it scales the operands and accumulates all of K in FP32. The two are the same
+sum, Σ_c sa_c sb_c Σ_{k in c} a_k b_k = Σ_k (a_k sa_c)(b_k sb_c); with power-of-two scales
+every dequantized value is exact, so only the summation order differs, and one GEMM is much
+cheaper than one per chunk (docs/fp8.md).
 
-For scales that change along K (blockwise 128, MX 32) the emulation is DeepSeek-V3's
-promotion taken to its limit. DeepSeek-V3 (arXiv 2412.19437 §3.3.2) sums each 128-wide K
-chunk's FP8 products on the tensor cores, multiplies the partial sum by the chunk's two
-scales and adds it to an FP32 accumulator (also how DeepGEMM applies scales). Here the
-scales are applied to the operands, and the GEMM accumulates every product of all of K in
-FP32. The two are the same sum: Σ_c sa_c sb_c Σ_{k in c} a_k b_k = Σ_k (a_k sa_c)(b_k sb_c).
-With power-of-two scales (blockwise's and MX's default) every dequantized value is exact,
-so the only difference is FP32 summation order; chunk by chunk costs a GEMM and an (M, N)
-scale product per chunk (benchmarks/README.md, `fp8_gemm.py`: blockwise 54 -> 12 ms at
-1024^3 with the BF16 GEMM below).
-
-`tensor_core_gemm` models what the promotion is for: an accumulator that keeps only
-`acc_mantissa_bits` (DeepSeek measured about 14 bits on H800) and is flushed into FP32 every
-`promote_every` elements, or never. It exists to measure that effect, not to train with.
+`tensor_core_gemm` models what promotion is for: an accumulator keeping `acc_mantissa_bits`
+(DeepSeek measured about 14 on H800), flushed into FP32 every `promote_every` elements or
+never. It measures that effect; it is not for training.
 """
 
 from __future__ import annotations

@@ -1,46 +1,31 @@
 """FP8 linear layers: forward, data-gradient and weight-gradient GEMMs in FP8.
 
-For y = x Wᵀ (x (M, K), W (N, K)) the three GEMMs and their contraction dimensions are
+For y = x Wᵀ (x (M, K), W (N, K)):
 
-    fprop  y  = x  Wᵀ     over K:  x along K, W along K
-    dgrad  dx = dy W      over N:  dy along N, Wᵀ along N
-    wgrad  dW = dyᵀ x     over M:  dyᵀ along M, xᵀ along M
+    fprop  y  = x  Wᵀ     over K
+    dgrad  dx = dy W      over N
+    wgrad  dW = dyᵀ x     over M
 
 Each operand is quantized along its contraction dimension (`recipes.quantize_for`). A
-quantized tensor whose scales survive transposition (one per tensor, or square 128 x 128
-blocks) is reused transposed; otherwise the transposed operand is quantized again from the
-high-precision tensor (rowwise, 1 x 128 tiles, MX 1 x 32), as TE and torchao do. GEMMs
-accumulate in FP32 and round their outputs once to the dtype a BF16 layer's GEMMs produce:
-the autocast dtype (or the input's without autocast) for all three, so under BF16 autocast y,
-dx and dW come out in BF16 -- as `F.linear` gives them to the BF16 baseline, and as TE's
-GEMMs return the activation dtype -- and are then cast to the input's dtype (dx) and the
-weight's (dW). Without autocast an FP32 layer keeps FP32 outputs. A bias is added in FP32
-before the rounding; its gradient stays in high precision.
+quantized tensor whose scales survive transposition (per tensor, 128 x 128 blocks) is reused
+transposed; otherwise the transposed operand is quantized again from the high-precision
+tensor, as TransformerEngine and torchao do. GEMMs accumulate in FP32 and round once to the
+dtype a BF16 layer's GEMMs produce (the autocast dtype), so outputs match the BF16 baseline's
+dtypes; a bias is added in FP32 before that rounding.
 
-With `fp8_activation=True` the activation saved for backward is the FP8 copy (1 byte per
-element instead of 2 or 4); recipes whose activation scales do not transpose dequantize it
-and re-tile it for the weight gradient, as DeepSeek-V3 does (§3.3.3), which adds a second
-rounding. Per-tensor recipes always save only the FP8 copy: it is exactly what wgrad uses.
+`fp8_activation=True` saves the FP8 copy of the input for backward (DeepSeek-V3 §3.3.3);
+recipes whose activation scales do not transpose re-tile it for wgrad, a second rounding.
 
-Delayed scaling keeps per-tensor amax histories and scales in buffers (`fp8_amax_history`
-(len, 3 * gemms), `fp8_scale` (3 * gemms,); columns input, weight, grad_output per GEMM; MoE
-experts put the expert first, (experts, len, 3 * gemms) and (experts, 3 * gemms), so expert
-parallelism splits them like the weights), so `state_dict` and checkpoints carry them; other
-recipes are stateless. A module in eval mode (validation) quantizes with the scales training
-would use next and leaves the state alone. Every training quantization that touches the
-state (input and weight in forward, grad_output in backward) updates it once, in the order
-the GEMMs run: several micro-batches per optimizer step (gradient accumulation, pipeline
-schedules) each advance the history, as TE's one update per `fp8_autocast` region per
-micro-batch does.
+Delayed scaling keeps amax histories and scales in buffers (columns input, weight,
+grad_output per GEMM; experts first for MoE, so expert parallelism splits them like the
+weights), so checkpoints carry them. Every training quantization updates that state once, in
+GEMM order, so each micro-batch advances the history, as TE's one update per `fp8_autocast`
+region does; eval mode reads the state without changing it.
 
-Split backward (Zero Bubble, DualPipe). Under `defer_weight_grads(put)` (entered by the
-pipeline's `DeferWeightGrads`) a layer whose weight is a parameter itself hands its
-weight-gradient GEMM to `put` in backward instead of running it: the data-gradient GEMM runs
-now, the FP8 weight-gradient GEMM later (W), from the same quantized grad_output and saved
-activation, so the numbers are those of an undeferred backward. The deferred work touches no
-scaling state (grad_output was quantized, and its delayed-scaling history advanced, in B).
-A weight that is a slice of a parameter (an expert of a stacked weight) gets its gradient
-in B, like the pipeline's BF16 path.
+Split backward (Zero Bubble, DualPipe): under `defer_weight_grads(put)` a layer hands its
+wgrad GEMM to `put` instead of running it, from the same quantized grad_output and saved
+activation, so the numbers equal an undeferred backward. An expert that is a slice of a
+stacked weight gets its gradient in B, like the pipeline's BF16 path.
 """
 
 from __future__ import annotations

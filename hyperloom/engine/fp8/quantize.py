@@ -1,23 +1,14 @@
 """Blocked quantization: one scale per (rows x cols) block of a 2-D tensor.
 
-Every scaling granularity is a block shape over a matrix whose *last* dimension is the GEMM's
-contraction dimension K:
+Every granularity is a block shape over a matrix whose last dimension is the contraction
+dimension K: per tensor (the whole matrix), per row (1, K), DeepSeek-V3 tiles (1, 128) for
+activations and gradients and (128, 128) for weights, MX (1, 32) with E8M0 scales. Ragged
+shapes are zero-padded for amax and scaling (zeros never raise an amax) and cropped after.
 
-- per tensor: one block covering the whole (M, K) matrix;
-- per row: (1, K) blocks, one scale per row (torchao's "rowwise");
-- DeepSeek-V3 tiles: (1, 128) for activations and gradients, (128, 128) for weights;
-- MX: (1, 32) blocks with power-of-two (E8M0) scales.
-
-Shapes that are not multiples of the block are zero-padded for the amax and the scaling
-(zeros never raise an amax) and cropped afterwards, so the stored `data` always has the
-original shape and `scale_inv` has ceil(M / block_rows) x ceil(K / block_cols) entries.
-
-Scales follow TransformerEngine's `compute_scale_from_amax`
-(transformer_engine/common/recipe/recipe_common.cuh): amax is floored at an epsilon; an amax
-of zero or +-Inf gives scale 1 (so an all-zero tile has a finite scale and quantizes to
-zeros); a scale that overflows FP32 becomes FP32's max; optionally the scale is rounded
-*down* to a power of two, which makes scaling and unscaling exact and only ever lowers the
-scaled amax (never saturates).
+Scales follow TransformerEngine's `compute_scale_from_amax` (recipe_common.cuh): amax floored
+at an epsilon; amax 0 or +-Inf gives scale 1; an FP32-overflowing scale becomes FP32's max;
+optionally the scale is rounded down to a power of two, which makes rescaling exact and never
+saturates.
 """
 
 from __future__ import annotations

@@ -1,84 +1,40 @@
 """FP8 scaling recipes: how each GEMM operand gets its scale, and what that costs.
 
-An FP8 number has 3 (E4M3) or 2 (E5M2) mantissa bits and a narrow range (E4M3 spans about
-2^-9 .. 448), so a tensor must be multiplied by a scale that maps its largest magnitude
-(amax) near the top of the range before the cast, and the GEMM output multiplied back by
-1 / scale. The recipes differ in *which* amax sets the scale and *how many elements share
-one scale*; that choice trades memory reads, outlier robustness and kernel simplicity.
+An FP8 value has 2-3 mantissa bits and a narrow range (E4M3: about 2^-9 .. 448), so a tensor
+is multiplied by a scale mapping its amax near the top of the range before the cast, and the
+GEMM output by 1 / scale. Recipes differ in which amax sets the scale and how many elements
+share one; that trades memory reads, outlier robustness and kernel simplicity.
 
-**Delayed scaling** (TransformerEngine `DelayedScaling`; Micikevicius et al., arXiv
-2209.05433). One scale per tensor, computed from a history of past amaxes, not the current
-tensor: scale = fp8_max / amax / 2^margin, where amax is the max of the last
-`amax_history_len` amaxes ("max") or the latest one ("most_recent"). Casting then needs one
-read of the tensor (no amax pass first) -- the reason it exists -- at the price of clipping
-whenever the tensor grows faster than the history predicts; `margin` buys headroom by
-lowering the scale by powers of two. TE's bookkeeping is kept exactly: position 0 of the
-history receives the amax just observed; at the next update the scale is computed from the
-whole window, then the window is rotated (the oldest entry dropped) and position 0 zeroed.
-An amax that is 0 or non-finite leaves the previous scale in place, and one so small that
-the scale overflows FP32 gives FP32's max (TE's `_default_sf_compute`). TE updates once per
-`fp8_autocast` exit; we update right before each quantization of that tensor, which is the
-same sequence when each module runs once per autocast region, and needs no global registry
-of modules.
+- **Delayed** (TransformerEngine `DelayedScaling`; arXiv 2209.05433): one scale per tensor
+  from a history of past amaxes, fp8_max / amax / 2^margin. One read of the tensor, at the
+  price of clipping when it grows faster than the history predicts. TE's bookkeeping is kept
+  exactly (window roll, zero/non-finite amax keeps the old scale); we update right before
+  each quantization instead of at `fp8_autocast` exit: the same sequence when a module runs
+  once per autocast region, without a global registry of modules.
+- **Current** (TE `Float8CurrentScaling`): one scale per tensor from its own amax; two reads,
+  never stale. Per-tensor recipes let one outlier squeeze every other value.
+- **Rowwise** (torchao float8 "rowwise"): one scale per row along the contraction dimension;
+  backward GEMMs re-quantize a transposed copy. Scales are rounded down to powers of two, so
+  a last-bit change of a row's amax almost never moves the scale -- exact scales made tp = 2
+  drift from one process (docs/fp8.md).
+- **Blockwise** (DeepSeek-V3, arXiv 2412.19437 §3.3; TE `Float8BlockScaling`; DeepGEMM):
+  1 x 128 tiles for activations and gradients, 128 x 128 blocks for weights, so E4M3 suffices
+  for gradients too. Tensor cores accumulate FP8 products in about 14 bits (DeepSeek, H800),
+  so partial sums are promoted to FP32 every 128 elements. The weight block is symmetric and
+  its quantization is reused transposed; activation tiles are re-tiled to 128 x 1 for wgrad.
+- **MXFP8** (OCP Microscaling v1.0; TE `MXFP8BlockScaling`): 1 x 32 blocks with an E8M0
+  power-of-two scale, hardware-native on Blackwell. The exponent is ceil(log2(amax / 448)) as
+  in TE (never saturates); the OCP rounding floor(log2 amax) - 8 is available.
 
-**Current scaling** (TE `Float8CurrentScaling`). One scale per tensor from this tensor's own
-amax: two reads (amax, then cast) but never stale, so no clipping. Both per-tensor recipes
-let a single outlier squeeze every other value towards the subnormals. Default format
-"hybrid": E4M3 forward, E5M2 gradients.
+Every recipe takes TE's `override_linear_precision` = (fprop, dgrad, wgrad): a GEMM marked
+True runs in the autocast dtype (Megatron's `--no-fp8-wgrad` is (False, False, True)). How
+much each GEMM contributes to the gradient error and the loss is measured in docs/fp8.md.
 
-**Per-row scaling** (torchao float8 "rowwise"; `torch._scaled_mm` with (M, 1) x (1, N)
-scales). One scale per row of each GEMM operand along the contraction dimension: an outlier
-only costs its own row (token / output channel) precision. The backward GEMMs contract over
-other dimensions, so the weight and the activation are quantized again along columns
-(a transposed copy), which costs an extra read each. Default format E4M3 everywhere, scales
-rounded down to powers of two (torchao's default for this recipe): rescaling is exact, and
-a last-bit change of a row's amax almost never changes its scale -- with exact scales
-fmt_max / amax it would, moving the row's every element and flipping FP8 roundings, which
-made tp = 2 drift from one process by 1e-3 after one step (measured) where power-of-two
-scales agree to FP32 round-off.
-
-**Blockwise** (DeepSeek-V3, arXiv 2412.19437 §3.3; TE `Float8BlockScaling`; DeepGEMM).
-Activations and gradients get one scale per 1 x 128 tile (a token's 128 channels), weights
-one per 128 x 128 block. Outliers are confined to 128 elements, so E4M3 suffices for
-gradients too. Because scales change every 128 elements along K, the GEMM must apply them to
-partial sums: DeepSeek found that H800 tensor cores accumulate FP8 products in roughly 14
-bits (about 2% error at K = 4096), so partial sums are promoted to FP32 every N_C = 128
-elements, scaled and accumulated there -- which also fixes the accumulation error. Scales
-may be rounded down to powers of two (TE's default, and DeepSeek's choice for cached and
-communicated activations) so rescaling is exact. The 128 x 128 weight block is symmetric, so
-the transposed weight for the data-gradient GEMM reuses the forward quantization; the 1 x 128
-activation tiles are not, so the weight-gradient GEMM re-tiles activations and gradients to
-128 x 1 (DeepSeek §3.3.2).
-
-**MXFP8** (OCP Microscaling Formats v1.0; TE `MXFP8BlockScaling`, Blackwell). 1 x 32 blocks
-whose shared scale is an E8M0 power of two: finer than blockwise and hardware-native on
-Blackwell, at the cost of a coarser (power-of-two) scale. By default the scale exponent is
-ceil(log2(amax / 448)) as in TE (never saturates); the OCP reference rounding
-floor(log2 amax) - 8 is available.
-
-**Which GEMMs run in FP8.** Every recipe takes TE's `override_linear_precision` = (fprop,
-dgrad, wgrad): a GEMM marked True runs in high precision (the autocast dtype, exactly a BF16
-layer's GEMM) while the others stay FP8 -- Megatron's `--no-fp8-wgrad` is (False, False, True).
-Measured on the default model (benchmarks/fp8_gradient_fidelity.py): one step's FP8 gradient
-error against FP32 is nearly all the forward GEMM's (0.31 of the gradient with only fprop in
-FP8, 0.07 with only dgrad and wgrad, BF16's own rounding 0.07), because the network amplifies
-what rounding the forward activations to 3 mantissa bits does, most of all in attention q/k.
-Over 1000 steps the ranking differs: fprop alone in FP8 ended 3.2% above BF16 (its BF16
-backward differentiates the unquantized layer), dgrad + wgrad alone 0.8%, all three 1.2%
-(benchmarks/README.md, `fp8_convergence.py`).
-
-Every recipe here needs no communication between ranks except under tensor parallelism:
-delayed and current scaling reduce a sharded tensor's amax over its shards, and rowwise
-reduces the row amaxes of an operand whose contraction dimension is sharded (the input and
-weight of a row-parallel linear in forward; the output gradient and transposed weight of a
-column-parallel one in the data-gradient GEMM), one (rows,) all-reduce MAX each. And delayed
-scaling under data parallelism: its histories are state, which each dp rank would fill with
-its own micro-batches' amaxes, so after each micro-batch the layout reduces them over dp
-(max; `ParallelModel.sync_fp8_replicas`, one all-reduce of every layer's newest row), as TE
-reduces amaxes over its `fp8_group` -- every rank then scales as one process whose
-micro-batch is all the ranks' together would. The stateless recipes scale a dp rank's
-tensors from what that rank holds, which is what one process accumulating the same
-micro-batches does.
+Communication: under tensor parallelism delayed and current scaling reduce a sharded tensor's
+amax, and rowwise the row amaxes of an operand whose contraction dimension is sharded (one
+all-reduce MAX each). Under data parallelism delayed scaling's histories are reduced (max)
+after each micro-batch (`ParallelModel.sync_fp8_replicas`), as TE reduces over its
+`fp8_group`, so every rank scales as one process seeing all ranks' micro-batches would.
 """
 
 from __future__ import annotations

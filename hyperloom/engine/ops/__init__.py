@@ -1,9 +1,8 @@
-"""Operators for the memory-bound parts of a transformer: a plain reference implementation of
-each and a fused one (custom autograd that saves little, kernels built by torch.compile).
+"""Operators for the memory-bound parts of a transformer, each as a plain reference and a fused
+path (custom autograd that saves little, kernels built by torch.compile).
 
-`impl` selects per call: "reference", "fused", "fused_eager" (same algorithm, eager kernels)
-or "triton" (hand-written Triton kernels for RMSNorm and SwiGLU, "fused" for the rest);
-`OpImpls` holds a model's choice, made from the `ops` config section.
+`impl` selects per call: "reference", "fused", "fused_eager" or "triton"; `OpImpls` holds a
+model's choice, made from the `ops` config section.
 """
 
 from hyperloom.engine.ops.attention import attention, attention_reference, sdpa_backends

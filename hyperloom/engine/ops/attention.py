@@ -1,12 +1,10 @@
-"""Causal (grouped-query) attention: the explicit reference and the fused SDPA path.
+"""Causal (grouped-query) attention: an explicit float32 reference and the fused SDPA path.
 
-`torch.nn.functional.scaled_dot_product_attention` already dispatches to the fastest kernel
-the device has -- FlashAttention-2 or cuDNN on recent NVIDIA GPUs, memory-efficient
-attention, a flash-style tiled CPU kernel, or the unfused "math" fallback -- and all except
-math never materialise the (seq, seq) score matrix. Writing our own would only lose to it, so
-the fused path is SDPA and this module's work is (1) a reference to hold it to and (2) saying
-which backend actually runs for given inputs (`sdpa_backends`), since SDPA silently falls back
-to math when a backend's constraints (dtype, head_dim, GQA, mask) are not met.
+`scaled_dot_product_attention` already dispatches to the best kernel the device has
+(FlashAttention-2, cuDNN, memory-efficient, a tiled CPU kernel, or the unfused "math"
+fallback), so the fused path is SDPA. This module adds a reference to hold it to and
+`sdpa_backends`, which says which backend runs for given inputs, since SDPA silently falls
+back to math when a backend's constraints are not met.
 """
 
 from __future__ import annotations

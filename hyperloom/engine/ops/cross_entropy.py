@@ -1,10 +1,8 @@
 """Cross-entropy fused with the output projection, in chunks of tokens (and vocab-parallel).
 
-The reference path materialises the logits (tokens, vocab) -- 8k tokens x 128k vocab is 4 GiB in
-float32 -- then an upcast copy, the log-softmax saved for backward and its gradient: several
-times the size of the whole rest of a small model's activations. The fused operator never
-holds more than one chunk of logits (Liger-Kernel's FusedLinearCrossEntropy; Wijmans et al.,
-"Cut Your Losses", arXiv 2411.09009, go further and never write logits to memory at all):
+The reference materialises the (tokens, vocab) logits -- 4 GiB in float32 for 8k x 128k --
+plus copies for backward. The fused operator holds one chunk of logits at a time
+(Liger-Kernel's FusedLinearCrossEntropy; "Cut Your Losses", arXiv 2411.09009, goes further):
 
     for each chunk of c tokens:
         z = h_c Wᵀ                                   (c, vocab), the only large temporary
@@ -12,20 +10,13 @@ holds more than one chunk of logits (Liger-Kernel's FusedLinearCrossEntropy; Wij
         ∂z = (softmax(z) − onehot(target)) / n_valid (0 for ignored tokens)
         ∂h_c = ∂z W,   ∂W += ∂zᵀ h_c
 
-so the forward pass also computes both gradients and keeps only those -- ∂h (tokens, dim) and
-∂W (the size of the weight, needed anyway) -- and backward merely scales them by the incoming
-gradient (in place: the operator supports one backward per forward). The chunk size defaults
-to Liger's rule, c ≈ tokens · dim / vocab rounded to a power of two, so a chunk of logits is
-about as large as the hidden states themselves.
+so forward computes both gradients and backward only scales them (one backward per forward).
+The chunk defaults to Liger's rule, c ≈ tokens · dim / vocab rounded to a power of two.
 
-Vocab-parallel (Megatron): each rank holds a slice of W's rows. The only cross-rank values
-are per token -- the max, and the sum of exponentials with the target's logit -- so the
-engine takes an `all_reduce(tensor, op)` callback and knows nothing of process groups;
-`hyperloom.parallel.tensor_parallel` passes one that reduces over the tensor-parallel group.
-∂h is then this rank's partial sum, which the head's `copy_to_tp` backward all-reduces.
-
-Matmuls run in the autocast dtype when autocast is on (as the reference's `F.linear` would),
-the softmax arithmetic in float32, ∂W accumulates in float32.
+Vocab-parallel (Megatron): each rank holds a slice of W's rows; the only cross-rank values are
+per token (the max, the sum of exponentials, the target's logit), reduced through an
+`all_reduce(tensor, op)` callback, so the engine knows no process groups. Matmuls run in the
+autocast dtype, the softmax in float32, ∂W accumulates in float32.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """torch.compile for the fused operators' kernels, with a clean fallback to eager PyTorch.
 
-Each fused operator is a custom `autograd.Function` whose forward and backward call small
-pure-tensor functions ("kernels"): no autograd inside them, so torch.compile (Inductor) turns
-each one into a single loop nest on CPU or a Triton kernel on GPU, and we decide exactly what
-is saved for backward instead of leaving it to the partitioner.
-
-A `Kernel` runs its function eagerly -- the same algorithm, unfused -- when
-
-- the caller asks for eager (`impl="fused_eager"`, which the unit tests use: compiling costs
-  seconds per graph on a small CPU and the arithmetic is what they check),
-- `HYPERLOOM_OPS_COMPILE=0` is set in the environment (a process-wide kill switch),
-- we are already being traced by torch.compile (an outer `train.compile` fuses it anyway),
-- or compiling failed once (no compiler toolchain, an unsupported backend): it logs one warning
-  per kernel and stays eager from then on.
-
-Shapes vary (the last chunk of a loss, prompt vs decode steps), so the first recompile marks
-the changed dimension dynamic (torch.compile's default `dynamic=None`).
-
-A kernel may also carry a hand-written Triton launcher (`@kernel(triton=...)`, from
-`triton_kernels.py`) with the same signature and results. `impl="triton"` runs it where
-Triton can launch on the inputs' device (a GPU, or anywhere under `TRITON_INTERPRET=1`) and
-otherwise takes the "fused" route above; so does a kernel without a Triton launcher, and so
-does one whose launch failed once (one warning). Inside an outer torch.compile the eager
-route runs whatever `impl` asks: Inductor fuses the whole graph there.
+Each fused operator's forward and backward call small pure-tensor functions ("kernels"), which
+Inductor turns into one loop nest (CPU) or Triton kernel (GPU); we choose what is saved for
+backward rather than the partitioner. A `Kernel` runs eagerly when asked (`fused_eager`, used
+by unit tests), when `HYPERLOOM_OPS_COMPILE=0`, when already traced by an outer
+torch.compile, or after compiling failed once (one warning). A kernel may carry a
+hand-written Triton launcher (`@kernel(triton=...)`) that `impl="triton"` runs where Triton
+can launch, falling back to the compiled route otherwise.
 """
 
 from __future__ import annotations

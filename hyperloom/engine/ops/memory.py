@@ -1,13 +1,10 @@
 """Count the bytes that PyTorch ops allocate, on any device (including CPU and meta).
 
-CUDA has `max_memory_allocated`; the CPU allocator keeps no such statistics, and the process's
-peak RSS mixes in the interpreter and freed-but-cached pages. `AllocationTracker` is a
-`TorchDispatchMode` that sees every op's outputs: a storage no input of the op shares is a
-new allocation, counted until its Python storage object is freed (PyTorch keeps that object
-alive as long as any tensor uses the storage). It reports the peak of live bytes above what
-existed before, and the largest single allocation -- which is how the tests prove that the
-chunked cross-entropy never materialises the (tokens, vocab) logits. On the meta device it
-measures a shape's memory without computing anything.
+The CPU allocator keeps no peak statistics, and RSS mixes in the interpreter and cached pages.
+`AllocationTracker` is a `TorchDispatchMode` that counts each op output's new storages until
+they are freed, and reports the peak of live bytes and the largest single allocation -- how
+the tests prove the chunked cross-entropy never materialises the whole logits. On the meta
+device it measures memory without computing anything.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """RMSNorm (Zhang & Sennrich, arXiv 1910.07467), optionally fused with the residual add before it.
 
-In a pre-norm block the stream goes `r = x + f(x)` then `norm(r)`: two memory-bound passes
-over (tokens, dim) that read `r` twice. The fused operator does the add and the norm in one
-pass and returns both the normalised output and the new residual stream (Liger-Kernel's and
-Apex's `FusedAddRMSNorm`).
-
-Numerics follow the model's reference: the norm is computed in float32 whatever the input
-dtype and cast back to the residual's dtype. Backward saves only the summed residual `r`
-(which is an output anyway, so no extra memory), the weight and one float32 `1/rms` per token;
-the normalised activations are recomputed:
+The fused operator does `r = x + f(x)` and `norm(r)` in one pass and returns both (Liger's and
+Apex's `FusedAddRMSNorm`). The norm is computed in float32 and cast back to the residual's
+dtype, as the reference does. Backward saves only `r` (an output anyway), the weight and one
+float32 `1/rms` per token, and recomputes the normalised activations:
 
     x̂ = r · rstd,   y = x̂ · w
     ∂r = rstd · (g − x̂ · mean(g · x̂)),  g = ∂y · w;   ∂w = Σ_tokens ∂y · x̂
-
-and ∂r is the gradient of both the block input and the sub-layer output.
-
-The kernels `_fwd`/`_bwd` are compiled by torch.compile ("fused"), run eagerly
-("fused_eager"), or replaced by hand-written Triton kernels with the same results ("triton",
-`triton_kernels.py`: a program per row forward; ∂w summed from per-program partials).
 """
 
 from __future__ import annotations

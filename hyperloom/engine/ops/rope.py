@@ -1,26 +1,13 @@
-"""Rotary position embedding (RoPE) with Llama-3.1 frequency scaling: reference and fused.
+"""Rotary position embedding (RoPE, arXiv 2104.09864) with Llama-3.1 frequency scaling.
 
-RoPE (Su et al., arXiv 2104.09864) rotates each pair of channels of a query/key by an angle
-proportional to the token position, so the attention score depends only on relative
-position. We use the "half-split" pairing (channel i with channel i + d/2, Hugging Face's
-`rotate_half`), so Hugging Face Llama checkpoints load without permuting q/k weights; Meta's
-original checkpoints use interleaved pairs, which differ only by a fixed permutation of the
-q/k output rows that the checkpoint adapter applies.
-
-Llama 3.1 extends the context by rescaling the inverse frequencies (Meta's
-`apply_scaling`): wavelengths shorter than `original_max / high_freq_factor` are kept,
-longer than `original_max / low_freq_factor` are divided by `factor`, and the band in between
-is interpolated smoothly. The tables are computed in float64 and stored in float32, since an
-fp32 `arange * inv_freq` loses precision at positions of 100k+.
-
-Decoupled RoPE (DeepSeek-V2 MLA, arXiv 2405.04434 §2.1.3): only the trailing `rope_dim`
-channels of each head carry position; the rest (the "nope" part) pass through, and the key's
-rotary part is one head shared by all query heads. Both forms are covered by passing tables
-narrower than the head, (seq, rope_dim), and/or a key of shape (batch, seq, 1, rope_dim).
-
-The fused operator saves nothing but the cos/sin tables (shared by every layer) for backward,
-because the rotation is linear and orthogonal: the input gradient is the gradient rotated by
-the opposite angle, ∂x = ∂y·cos + rotate_halfᵀ(∂y·sin), with rotate_halfᵀ([a, b]) = [b, −a].
+Channels pair "half-split" (i with i + d/2, Hugging Face's `rotate_half`), so HF Llama
+checkpoints load without permuting q/k; Meta's interleaved checkpoints are permuted by the
+adapter. Llama 3.1's `apply_scaling` keeps short wavelengths, divides long ones by `factor` and
+interpolates between; tables are computed in float64 (fp32 loses precision past 100k tokens).
+Decoupled RoPE (DeepSeek-V2 MLA, arXiv 2405.04434 §2.1.3) rotates only the trailing
+`rope_dim` channels, with one key head shared by all query heads: pass narrower tables and/or
+a (batch, seq, 1, rope_dim) key. The fused backward saves only the cos/sin tables, since the
+rotation is orthogonal: ∂x = ∂y·cos + rotate_halfᵀ(∂y·sin), rotate_halfᵀ([a, b]) = [b, −a].
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Which implementation each operator uses: the `ops` config section made concrete.
 
-A model holds one `OpImpls` and passes its fields to the `hyperloom.engine.ops` functions.
-"fused" is the default wherever it is available: the fused operators never do more memory
-traffic than the reference, and when torch.compile is missing or fails their kernels fall
-back to eager PyTorch ("fused_eager") by themselves.
-
-"triton" (`ops.triton`, opt-in) gives the ops with hand-written Triton kernels (`TRITON_OPS`)
-those kernels instead of the torch.compile ones. When Triton cannot run in this process (not
-installed; no GPU and no `TRITON_INTERPRET=1`) `choose` says so once and keeps "fused": the
-choice is made here, in the process that trains, rather than in config validation, which may
-run on another machine (a laptop checking a cluster job).
+A model holds one `OpImpls`. "fused" is the default (never more memory traffic than the
+reference; falls back to eager by itself). "triton" (opt-in) uses the hand-written kernels for
+`TRITON_OPS`; where Triton cannot run, `choose` says so once and keeps "fused". The choice is
+made in the training process, not in config validation, which may run on another machine.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """SwiGLU activation `silu(a) · b` (Shazeer, arXiv 2002.05202), the gate of a Llama MLP.
 
-Unfused, autograd keeps `a`, `b`, `silu(a)` and the product's inputs: three (tokens, ffn_dim)
-tensors, the widest activations of the block. The fused operator saves only its two inputs
-(which the preceding linears produced anyway) and recomputes the sigmoid in backward
-(Liger-Kernel's `LigerSiLUMulFunction` does the same):
+Unfused, autograd keeps three (tokens, ffn_dim) tensors, the block's widest activations. The
+fused operator saves only its two inputs and recomputes the sigmoid (as Liger's
+`LigerSiLUMulFunction`):
 
     s = σ(a),  ∂a = ∂y · b · s · (1 + a · (1 − s)),  ∂b = ∂y · a · s
 
-Compiled, the math runs in float32 and the result is cast to the inputs' dtype once; the
-exponential is taken as ``2^(-a · log2 e)``. On a CPU the exponential, not the bytes, bounds
-this operator: at 2048 x 14336 BF16 on the 2-core development container a compiled `a · b`
-takes 3.5 ms, `exp(a) · b` 7.8 ms and `exp2(a · c) · b` 7.2 ms (the vectorized `exp2f` is
-the cheaper of the two). The extra rounding of the product `a · log2 e` is ~1e-7 relative
-in float32, far below BF16's. With it the forward went from 9.0 to 7.8 ms and the backward
-from 12.7 to 11.3 ms (medians of 15 calls, 2 threads). The
-eager fallback uses native-dtype ops as the reference does (upcasting costs eager PyTorch
-whole extra passes over the widest activations). The hand-written Triton kernels
-(`impl="triton"`, `triton_kernels.py`) compute the compiled formulas, elementwise.
+Compiled, the math runs in float32 with the exponential taken as 2^(-a · log2 e) (cheaper on
+CPU, where the exponential bounds this operator; the extra rounding is ~1e-7 relative), cast
+once to the inputs' dtype. The eager fallback uses native-dtype ops as the reference does.
 """
 
 from __future__ import annotations

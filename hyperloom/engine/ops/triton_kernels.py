@@ -1,35 +1,13 @@
 """Hand-written Triton kernels for the fused RMSNorm(+residual) and SwiGLU operators.
 
-The launchers here take and return exactly what the torch.compile kernels they stand in for do
-(`rmsnorm._fwd`/`_bwd`, `swiglu._fwd`/`_bwd`: same dtypes and shapes, float32 arithmetic), so
-`Kernel(triton=...)` can route `impl="triton"` to them and nothing above the kernel changes.
-
-- RMSNorm forward: one program per row; the whole row sits in one block (widths up to
-  `MAX_WIDTH`), so `r = residual + x` is read once, rounded to its dtype as the eager add
-  would, and normalised from registers.
-- RMSNorm backward: a fixed number of programs (one per streaming multiprocessor on CUDA),
-  each walking a contiguous run of rows: ∂r per row, and its share of ∂w = Σ ∂y · x̂ kept in
-  registers and written once as a float32 partial row; the (programs, dim) partials are
-  summed afterwards. This is the Triton layer-norm tutorial's pattern without its lock-guarded
-  accumulation buffer: deterministic, and the partial matrix is small (programs x dim).
-- SwiGLU forward and backward: elementwise over the flattened tensors, `BLOCK` elements per
-  program; the sigmoid is recomputed in backward.
-
-Launchers make their inputs contiguous (a copy only when they are not) because the kernels
-address rows as `row * dim`; their outputs are contiguous whatever the inputs' strides.
-
-Where they run: on the device Triton's active driver serves (CUDA, ROCm -- "cuda" to PyTorch
--- or another Triton backend), or anywhere with `TRITON_INTERPRET=1`, where Triton runs the
-kernels in Python on CPU tensors (slowly: that is for tests). Triton reads that variable when
-it jits a function -- its own standard library (`tl.sum`, ...) when `triton.language` is first
-imported -- so it must be set before triton is imported in the process; this module imports
-triton on first use, not at import, and its own kernels are jitted on first launch. Importing
-this module never fails, with or without triton. The interpreter truncates float32 to
-bfloat16 where compiled kernels round to nearest even, so its bf16 results may differ from
-torch's by one bf16 step.
-
-Their speed against the torch.compile kernels has not been measured (no GPU at hand), which
-is why `ops.triton` is off by default.
+The launchers take and return exactly what the torch.compile kernels they replace do
+(`rmsnorm._fwd`/`_bwd`, `swiglu._fwd`/`_bwd`), so nothing above the kernel changes.
+RMSNorm forward is a program per row; backward walks runs of rows per program and writes ∂w
+as float32 partial rows summed afterwards (the Triton layer-norm tutorial without its lock:
+deterministic). SwiGLU is elementwise. Triton is imported on first use, so this module always
+imports; under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CPU for
+tests, where bf16 results may differ from torch's by one bf16 step. Not yet timed on a GPU,
+so `ops.triton` is off by default.
 """
 
 from __future__ import annotations

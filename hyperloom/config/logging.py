@@ -18,7 +18,9 @@ class LoggingConfig:
     run_dir: str = knob("runs/default", "directory for metrics, plots, checkpoints")
     log_every: int = knob(10, "steps between metric lines")
     peak_tflops: float = knob(
-        0.0, "peak TFLOP/s for MFU; 0 = measure this machine's BF16 matmul peak"
+        0.0,
+        "peak TFLOP/s for MFU; 0 = measure this machine's matmul peak (BF16, or the "
+        "training dtype where that is faster)",
     )
     progress: bool = knob(True, "show a progress bar")
     plot: bool = knob(True, "write loss_curve.png")

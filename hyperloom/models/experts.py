@@ -1,16 +1,11 @@
 """A bank of E SwiGLU experts for Mixture-of-Experts layers, family-neutral.
 
-Weights are (experts, out, in) tensors; tokens arrive sorted by expert and run as one grouped
-GEMM (`torch._grouped_mm`, which this PyTorch build has on CPU as well), with a per-expert
-loop as the fallback. Under `precision.fp8` (`convert_to_fp8` calls `enable_fp8`) the three
-expert GEMMs run in FP8 through the engine's grouped linear, each expert with its own scales
-(DeepSeek-V3, arXiv 2412.19437 §3.3: blockwise 1 x 128 token tiles and 128 x 128 weight
-blocks; delayed scaling: one amax history per expert, GEMM and role, as TE's grouped linear
-keeps, in buffers with the expert dimension first so that expert parallelism splits and
-checkpoints gather them like the weights).
-
-It lives outside any model family because expert parallelism (`parallel.expert_parallel`)
-swaps every bank for one holding this rank's E / ep experts.
+Weights are (experts, out, in); tokens arrive sorted by expert and run as one grouped GEMM
+(`torch._grouped_mm`), with a per-expert loop as the fallback. Under `precision.fp8` the
+expert GEMMs run through the engine's grouped FP8 linear, each expert with its own scales and
+delayed-scaling state (expert dimension first, so expert parallelism splits it like the
+weights). It lives outside any family because expert parallelism swaps every bank for one
+holding this rank's E / ep experts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Which piece of a whole parameter a rank holds.
 
-Parallel layers (tensor parallel, expert parallel) replace a parameter by this rank's slice
-and attach a `Shard` to it. Everyone else reads it through `shard_of`: a model's
-initialisation draws the whole tensor and keeps its slice, so every layout starts from the
-single-device weights; gradient clipping sums a sharded parameter's squares over its group;
-checkpoints reassemble whole tensors so a checkpoint is independent of the layout.
-
-Why not DTensor placements: our tensor-parallel layers are plain modules holding plain
-tensors and calling their own collectives (Megatron's column/row-parallel pattern, with the
-FP8 amax reductions inside them); DTensor parameters would send every op through DTensor's
-dispatch. A small frozen record, carried across re-allocation by name, says what
-initialisation, clipping and checkpoints need.
+Parallel layers replace a parameter by this rank's slice and attach a `Shard`; init, gradient
+clipping and checkpoints read it through `shard_of` to draw, reduce or reassemble whole
+tensors. A small frozen record rather than DTensor placements: our parallel layers are plain
+modules calling their own collectives (with FP8 amax reductions inside), and DTensor
+parameters would send every op through DTensor's dispatch.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Closed-form parameter and FLOP counts for the DeepSeek family (no model is materialised).
 
-Three counts: `param_count`, every parameter the module holds (main model, MTP modules and the
-balancing biases); `main_param_count`, the main model without MTP, which is what DeepSeek
-publishes as "total" (671B for V3, whose 14B MTP module makes the 685B checkpoint); and
-`active_param_count`, the parameters one token passes through in the main model — attention,
-dense FFNs, router, the top-k routed and the shared experts, norms and head, but not the
-input embedding, whose row lookup is no computation — the published "activated" (36.6B,
-published as 37B, for V3; 2.45B, published as 2.4B, for V2-Lite). Training FLOPs follow the Llama family's convention:
-6 per matmul weight touched per token (routed experts k of E, MTP included) plus the
-attention score and value products over the full (not causally halved) matrix,
-3 · 2 · seq · heads · (qk_dim + v_dim) per layer.
+`param_count` is every parameter held (main model, MTP modules, balancing biases);
+`main_param_count` leaves out MTP, which is DeepSeek's published "total" (671B for V3);
+`active_param_count` is what one token passes through in the main model (attention, dense
+FFNs, router, top-k routed and shared experts, norms, head; not the embedding lookup), the
+published "activated" (37B for V3). Training FLOPs follow the Llama family's convention: 6 per
+matmul weight touched per token (MTP included) plus the full, not causally halved, attention
+products, 3 · 2 · seq · heads · (qk_dim + v_dim) per layer.
 """
 
 from __future__ import annotations

@@ -1,31 +1,26 @@
 """Expert load balancing: the auxiliary-loss-free bias, balance losses and the router z-loss.
 
-**Auxiliary-loss-free balancing** (Wang et al., arXiv 2408.15664; DeepSeek-V3, arXiv
-2412.19437 §2.1.2). Each expert i has a bias b_i that is added to its affinity *for selection
-only* (`moe.Router`). After every optimizer step the tokens each expert received during that
-step, c_i, are summed over the data-parallel group (every rank must move its bias identically)
-and
+**Auxiliary-loss-free balancing** (arXiv 2408.15664; DeepSeek-V3, arXiv 2412.19437 §2.1.2).
+Each expert has a bias b_i added to its affinity for selection only (`moe.Router`). After
+every optimizer step the step's token counts c_i are summed over data parallelism (every
+rank must move its bias identically) and
 
     b_i ← b_i + γ · sign(mean(c) − c_i)
 
-so an overloaded expert becomes a little less attractive and an idle one a little more. No
-gradient flows through b, so balancing does not pull the router's weights away from what the
-language-modelling loss wants — which is the point: an auxiliary loss strong enough to balance
-the load measurably hurts quality (the paper's Table 5). Megatron-LM's
-`get_updated_expert_bias` does the same with counts all-reduced over TP × DP × CP. V3 uses
-γ = 0.001 for the first 14.3T tokens.
+No gradient flows through b, so balancing does not pull the router away from the language
+loss, which an auxiliary loss strong enough to balance measurably does (the paper's Table 5).
+Megatron-LM's `get_updated_expert_bias` is the same update.
 
-**Sequence-wise balance loss** (V3 eq. 17-20), a weak complement (α = 1e-4) that stops any one
-*sequence* from being extremely unbalanced:
+**Sequence-wise balance loss** (V3 eq. 17-20), a weak complement (α = 1e-4) against any one
+sequence being extremely unbalanced:
 
     L = α Σ_i f_i P_i,   f_i = E / (k T) · Σ_t 1[i ∈ TopK_t],   P_i = 1/T Σ_t s'_{i,t}
 
-with s' the affinities normalised to sum to one per token and T the tokens of one sequence; the
-loss is averaged over the sequences of the batch. The classic batch-wise loss (Switch, arXiv
-2101.03961; GShard) is the same formula over the whole batch as one sequence.
+with s' the per-token normalised affinities and T one sequence's tokens, averaged over the
+batch. The batch-wise loss (Switch, arXiv 2101.03961; GShard) is the same over the batch.
 
-**Router z-loss** (ST-MoE, arXiv 2202.08906 eq. 5): mean over tokens of logsumexp(logits)²,
-which keeps router logits small so the float32 softmax/sigmoid stays well conditioned.
+**Router z-loss** (ST-MoE, arXiv 2202.08906 eq. 5): the mean of logsumexp(logits)², which
+keeps router logits small so the float32 softmax/sigmoid stays well conditioned.
 """
 
 from __future__ import annotations

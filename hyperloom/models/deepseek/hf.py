@@ -1,23 +1,12 @@
 """Hugging Face `transformers` interop for the DeepSeek family: config and state-dict names.
 
-Three things differ from a pure renaming:
-
-- **RoPE channel order.** DeepSeek checkpoints rotate *interleaved* pairs (channels 2j, 2j+1;
-  `rope_interleave = True` in the HF config); hyperloom's RoPE op rotates half-split pairs
-  (j, j + r/2). Rotating interleaved pairs of x equals rotating half-split pairs of x with its
-  rope channels reordered evens-then-odds, and both sides of every q_pe·k_pe product get the
-  same reorder, so importing permutes the rope rows of the query projection (per head) and of
-  `kv_a_proj_with_mqa` (the shared k_pe rows) once, and exporting undoes it.
-- **Experts.** transformers 5 holds each layer's experts as two 3-D tensors,
-  `gate_up_proj` (E, 2·I, D) = [w1 ; w3] and `down_proj` (E, D, I) = w2; the released
-  safetensors name each expert separately (`mlp.experts.{e}.gate_proj.weight`, ...). Export
-  writes the transformers-5 layout; import accepts both.
-- **MTP.** The checkpoint stores MTP module k as `model.layers.{n_layers + k}` with `enorm`,
-  `hnorm`, `eh_proj`, `shared_head.norm` and copies of the shared `embed_tokens` and
-  `shared_head.head`; the copies are written on export and dropped on import.
-  `DeepseekV3ForCausalLM` itself ignores these layers.
-
-`transformers` is optional and imported only inside `hf_config`.
+Beyond renaming: DeepSeek checkpoints rotate interleaved RoPE pairs where hyperloom rotates
+half-split ones, so import permutes the rope rows of the query projection and of
+`kv_a_proj_with_mqa` (evens then odds) and export undoes it; experts import from either the
+per-expert safetensors names or transformers 5's stacked `gate_up_proj`/`down_proj`, and
+export writes the latter; MTP module k is stored as `model.layers.{n_layers + k}` with copies
+of the shared embedding and head, written on export and dropped on import. `transformers` is
+optional and imported only inside `hf_config`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
 """Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 §2.1) with YaRN, and its cache.
 
-**Projections.** Queries come from a low-rank path x → wq_a → RMSNorm → wq_b (or one plain wq
-when `q_lora_rank` is 0), split per head into q_nope (`qk_nope_head_dim`) and q_pe
-(`qk_rope_head_dim`). Keys and values come from one compressed latent: wkv_a maps x to
-c_kv (`kv_lora_rank`, RMS-normalised) and k_pe, a single RoPE key *shared by every head*
-(decoupled RoPE: position lives only in the q_pe·k_pe term, so the rest can be absorbed,
-below); wkv_b expands c_kv into k_nope and v per head. Names follow DeepSeek's
-`inference/model.py`.
+Queries come from a low-rank path wq_a → RMSNorm → wq_b (or one wq), split into q_nope and
+q_pe. Keys and values come from one latent: wkv_a gives c_kv (RMS-normalised) and k_pe, a
+single RoPE key shared by every head; wkv_b expands c_kv into k_nope and v. Names follow
+DeepSeek's `inference/model.py`. Training materialises k and v per head and runs causal SDPA.
 
-**Training path.** Materialise k = [k_nope ‖ k_pe] and v per head and run causal SDPA.
+**Absorbed decode** (V2 §2.1.2). The cache holds only [c_kv ‖ k_pe] per token (576 values for
+V3). With W_UK, W_UV the k_nope and v slices of wkv_b,
 
-**Absorbed decode path** (V2 §2.1.2, "absorb W_UK into W_Q and W_UV into W_O"). The cache holds
-only [c_kv ‖ k_pe], kv_lora_rank + rope_dim values per token (576 for V3 instead of 128 × 2 ×
-128 for MHA, ~71× less). With W_UK, W_UV the k_nope and v slices of wkv_b per head,
+    q_nope · k_nope = (q_nope W_UK) · c_kv,    Σ_t p_t v_t = W_UV (Σ_t p_t c_kv,t)
 
-    q_nope · k_nope = q_nope · (W_UK c_kv) = (q_nope W_UK) · c_kv
-    Σ_t p_t v_t      = W_UV (Σ_t p_t c_kv,t)
+so attention runs in the latent space and keys/values are never expanded; it equals the
+training path up to rounding (tested).
 
-so attention runs in the latent space — scores = (q̃ · c_kv + q_pe · k_pe) · scale with
-q̃ = q_nope W_UK, out = (softmax · c_kv) W_UVᵀ — and keys/values are never expanded. It is the
-same function as the training path up to rounding; the test holds the two together.
-
-**YaRN** (Peng et al., arXiv 2309.00071; DeepSeek-V3 `precompute_freqs_cis`). With factor
-s = `rope_scaling`, each rotary frequency f_i is blended between itself (high frequencies,
-extrapolated) and f_i / s (low frequencies, interpolated) by a linear ramp over the dimensions
-whose wavelength counts between `yarn_beta_fast` and `yarn_beta_slow` rotations within the
-original context: d(r) = D ln(L_orig / (2π r)) / (2 ln θ), ramp from ⌊d(β_fast)⌋ to ⌈d(β_slow)⌉.
-Stretched positions flatten the softmax, so the attention scale gets the correction
-mscale² with mscale = 0.1 · `yarn_mscale` · ln s + 1 (V3: 192^-½ · 1.3689² = 0.13523).
+**YaRN** (arXiv 2309.00071; DeepSeek-V3 `precompute_freqs_cis`). Each rotary frequency f_i is
+blended between f_i (high frequencies) and f_i / s (low ones, s = `rope_scaling`) by a linear
+ramp between the dimensions rotating `yarn_beta_fast` and `yarn_beta_slow` times within the
+original context, d(r) = D ln(L_orig / (2π r)) / (2 ln θ). The attention scale gets mscale²,
+mscale = 0.1 · `yarn_mscale` · ln s + 1, since stretched positions flatten the softmax.
 """
 
 from __future__ import annotations

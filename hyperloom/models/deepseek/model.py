@@ -1,33 +1,21 @@
 """DeepSeek-V3-family decoder (V2, V2-Lite, V3), single-device code only.
 
-Pre-norm blocks x + MLA(RMSNorm(x)), then x + FFN(RMSNorm(x)), where FFN is a dense SwiGLU for
-the first `n_dense_layers` layers and the Mixture-of-Experts layer (`moe.MoE`) after them
-(DeepSeek-V3, arXiv 2412.19437 §2.1). Attention is Multi-head Latent Attention (`mla.MLA`).
+Pre-norm blocks with Multi-head Latent Attention (`mla.MLA`) and a dense SwiGLU for the first
+`n_dense_layers` layers, the MoE layer (`moe.MoE`) after them (arXiv 2412.19437 §2.1).
 
-**Multi-token prediction** (V3 §2.2). D sequential modules; module k combines the previous
-depth's hidden state at position i with the embedding of token t_{i+k},
+**Multi-token prediction** (V3 §2.2): module k combines the previous depth's hidden state with
+the embedding of token t_{i+k},
 
     h′ᵏ_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(hᵏ⁻¹_i)]),   hᵏ = Blockₖ(h′ᵏ)
 
-(the order of the concatenation is that of the released checkpoint and Megatron/vLLM, the
-reverse of the paper's equation), and predicts t_{i+k+1} through its own final norm and the
-*shared* output head; the embedding is shared too. Depth k is trained on the S − k positions
-that have both an input token and a target, and the model's training loss is
+(the released checkpoint's concatenation order, the reverse of the paper's) and predicts
+t_{i+k+1} through the shared head. The loss is L_main + (λ / D) Σ_k Lᵏ + Σ_layers L_aux; MTP
+runs only in training. In pipeline runs the MTP modules live on the last stage with a copy of
+the embedding whose gradient is summed with the first stage's.
 
-    L = L_main + (λ / D) Σ_k Lᵏ + Σ_layers L_aux
-
-Only in training: evaluation and generation use the main model alone (the MTP modules also
-serve speculative decoding). In pipeline runs the MTP modules live on the last stage, with a
-copy of the embedding (its gradient summed with the first stage's, like tied embeddings).
-
-**Balancing hook.** `after_optimizer_step(group)` is what the trainer calls after each
-optimizer step: it all-reduces the step's expert loads over `group`, moves the selection
-biases (`balance.update_bias`) and keeps the per-layer max/mean load for the metrics
-(`expert_load`).
-
-Init, meta-device construction, operator selection and layer naming (a ModuleDict keyed by the
-global layer index) follow `hyperloom.models.llama.model`; each parameter draws from
-`param_generator(seed, name)`.
+`after_optimizer_step(group)` is the balancing hook the trainer calls: it all-reduces the
+step's expert loads, moves the selection biases (`balance.update_bias`) and keeps the load
+metrics. Init, meta-device construction and layer naming follow the Llama model.
 """
 
 from __future__ import annotations

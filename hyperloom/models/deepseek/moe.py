@@ -1,24 +1,18 @@
 """Mixture-of-Experts feed-forward layer of the DeepSeek family: gate, experts, shared experts.
 
-**Gate** (DeepSeek-V3, arXiv 2412.19437 §2.1.2; DeepSeek-V2, arXiv 2405.04434 §2.2). The router
-computes affinities s = sigmoid(x Wᵀ) (V3) or softmax(x Wᵀ) (V2) in float32, whatever the
-compute dtype, because a bf16 near-tie between two experts flips routing and gradients alike.
-Selection uses the *biased* score s + b, where b is the auxiliary-loss-free balancing bias
-(`hyperloom.models.deepseek.balance`); the gate *weights* use the unbiased s, so the bias steers
-which experts a token visits but never how much each one contributes. Group-limited routing
-splits the experts into `moe_n_groups` groups (one per node in V3), scores each group (sum of
-its top-2 biased scores for sigmoid/V3's `noaux_tc`; its max for softmax/V2's
-`group_limited_greedy`), keeps the best `moe_topk_groups` groups and takes the top-k experts
-among them, so a token's experts live on at most that many nodes. The k weights are
-renormalised to sum to one when `moe_norm_topk` (V3) and multiplied by `moe_route_scale`
-(2.5 for V3, 16 for V2).
+**Gate** (DeepSeek-V3 §2.1.2; V2 §2.2). Affinities s = sigmoid(x Wᵀ) (V3) or softmax (V2) in
+float32, since a bf16 near-tie flips routing. Selection uses s + b (b the balancing bias,
+`balance`); the gate weights use the unbiased s, so the bias steers which experts a token
+visits, never how much each contributes. Group-limited routing keeps the best
+`moe_topk_groups` of `moe_n_groups` groups (scored by the sum of their top-2, V3's `noaux_tc`,
+or their max, V2's) and takes the top-k inside them, so a token's experts live on few nodes.
+Weights are renormalised (`moe_norm_topk`) and scaled by `moe_route_scale`.
 
-**Experts** are the family-neutral grouped SwiGLU bank of `hyperloom.models.experts` (one
-grouped GEMM over tokens sorted by expert, FP8 per expert). The layer is dropless by default
-(every expert takes every token routed to it, as in V3); a capacity factor c caps each
-expert at ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard,
-arXiv 2006.16668) and dropping the rest — a dropped assignment simply contributes nothing, the
-shared experts and the residual still carry the token.
+**Experts** are the family-neutral grouped SwiGLU bank (`hyperloom.models.experts`). The layer
+is dropless by default, as in V3; a capacity factor c caps each expert at
+ceil(c · tokens · k / experts) assignments, keeping the earliest tokens (GShard, arXiv
+2006.16668); a dropped assignment contributes nothing, the shared experts and residual still
+carry the token.
 """
 
 from __future__ import annotations

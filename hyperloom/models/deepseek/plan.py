@@ -1,35 +1,19 @@
 """Parallel plans for the DeepSeek family.
 
 **Tensor parallelism** (`tp_plan`; no sequence parallelism). MLA splits by heads as Megatron
-does: the up-projections wq_b (or wq) and wkv_b are column-parallel, wo row-parallel. The
-low-rank down-projections wq_a, wkv_a run replicated on the block's input; their outputs
-feed only this rank's heads (the decoupled RoPE key k_pe, a slice of wkv_a's output, every
-local head), so the gradient reaching those outputs is a partial sum per rank. It is summed
-over tp right there, before the down-projections' backward ("tp_output_grad"), rather than at
-the block's input after it:
+does: wq_b (or wq) and wkv_b column-parallel, wo row-parallel. The low-rank down-projections
+wq_a, wkv_a run replicated and feed only this rank's heads, so their output gradient is a
+partial sum; it is summed over tp right there ("tp_output_grad"), before their backward:
+their weight and input gradients are then whole, FP8 quantizes the whole gradient as one
+process does, and the all-reduce carries the latent width instead of dim. The latent norms
+between that sum and the up-projections sum their weight gradients after backward
+("tp_partial_grad"). Without q_lora, wq sums its own input gradient ("colwise_tp_input").
+Dense layers and shared experts split like Llama's SwiGLU; routed experts and the router run
+replicated on every tp rank, and expert parallelism (over dp) divides them.
 
-- each rank's down-projection backward sees the whole output gradient, so its weight
-  gradient is whole (no sum after backward) and its input gradient needs no sum either;
-- under FP8 that gradient is quantized whole, as one process quantizes it -- quantizing
-  per-rank partial sums and adding the products afterwards is not the same arithmetic;
-- the all-reduce carries q_lora_rank + kv_lora_rank + rope columns per token instead of dim
-  (2,112 against 7,168 for DeepSeek-V3).
-
-The latent norms q_norm, kv_norm sit between that sum and the up-projections: their output
-gradient is still partial, so their weight gradients are summed after backward
-("tp_partial_grad"). Without q_lora, wq is column-parallel on the block input itself and
-sums its own input gradient ("colwise_tp_input"). The dense first layers and the shared
-experts are split like Llama's SwiGLU. The routed experts and the router run replicated on
-every tp rank (the layer's tokens are whole on each): the gradients agree across tp without
-communication, at the cost of repeating the routed-expert compute tp times — expert
-parallelism (over dp) is what divides it.
-
-**Pipeline parallelism** cuts the model like Llama's (`hyperloom.models.llama.plan`), with one
-difference: the multi-token-prediction modules live on the last stage (DeepSeek-V3, arXiv
-2412.19437 §3.2.2 — "the MTP module and the main model's output head on the same PP rank"),
-and they read the token embedding, so the last stage keeps a copy of it whose gradient the
-runtime sums with the first stage's. Expert parallelism is applied from outside by
-`hyperloom.parallel.expert_parallel`.
+**Pipeline parallelism** cuts like Llama's, except that the MTP modules live on the last
+stage with the output head (arXiv 2412.19437 §3.2.2) and a copy of the embedding, whose
+gradient the runtime sums with the first stage's.
 """
 
 from __future__ import annotations

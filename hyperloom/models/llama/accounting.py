@@ -1,9 +1,8 @@
 """Closed-form parameter and FLOP counts for the Llama family (no model is materialised).
 
-Training FLOPs per token follow the convention of Megatron-LM and PaLM (arXiv 2204.02311,
-appendix B): 6 FLOPs per matmul weight per token (2 forward, 4 backward) plus the attention
-score and value products, 12 * n_layers * seq_len * dim per token, counted for the full
-(not causally halved) attention matrix. Embedding lookups and norms are not counted. MFU is
+Training FLOPs per token follow Megatron-LM and PaLM (arXiv 2204.02311, appendix B): 6 per
+matmul weight plus the attention score and value products, 12 · n_layers · seq_len · dim,
+over the full (not causally halved) matrix; embeddings and norms are not counted. MFU is
 these model FLOPs per second over the peak; recomputation does not add to it.
 """
 

@@ -1,13 +1,9 @@
 """Hugging Face `transformers` interop for the Llama family: config and state-dict names.
 
-hyperloom's RoPE uses the same half-split channel pairing as `LlamaForCausalLM`, so weights
-map one to one by name; no q/k permutation is needed (Meta's original checkpoints would need
-one). A model with `model.qk_norm` is exported as `Qwen3ForCausalLM` (a Llama with one RMSNorm
-over head_dim on each head's query and key before RoPE) and a Qwen3 directory is imported as a
-Llama with qk_norm; Qwen3 checkpoints whose head_dim is not hidden_size / num_attention_heads
-(Qwen3-0.6B's 128 against 1024 / 16), or that use biases or sliding windows, are refused: this
-model has none of those. `transformers` is an optional dependency (`pip install hyperloom[hf]`)
-and is imported only inside the functions that need it.
+hyperloom's RoPE pairs channels as `LlamaForCausalLM` does, so weights map one to one by name.
+A model with `model.qk_norm` exports as `Qwen3ForCausalLM`, and a Qwen3 directory imports as a
+Llama with qk_norm; Qwen3 checkpoints with a decoupled head_dim, biases or sliding windows are
+refused. `transformers` is optional (`pip install hyperloom[hf]`) and imported lazily.
 """
 
 from __future__ import annotations

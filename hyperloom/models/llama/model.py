@@ -1,32 +1,17 @@
 """Llama-3-family decoder, single-device code only (parallelism is applied from outside).
 
-Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al., arXiv
-2302.13971; Llama 3, arXiv 2407.21783). Attention is grouped-query (Ainslie et al., arXiv
-2305.13245) through `scaled_dot_product_attention`, with RoPE (Llama-3.1 scaling). With
-`model.qk_norm`, each head's query and key pass an RMSNorm over head_dim before RoPE (one
-weight shared by the query heads, one by the key heads; Qwen3's layout, Yang et al., arXiv
-2505.09388; Megatron-LM's `--qk-layernorm`; OLMo 2, arXiv 2501.00656, normalises the whole
-projection instead): the attention logits stay bounded by the norm weights, not by how large wq
-and wk grow. With `model.dropout` = p > 0, training drops the attention weights and each
-branch's output before it joins the residual stream (Vaswani et al., arXiv 1706.03762 §5.4);
-p = 0 (Llama's own setting) draws no random numbers at all. The memory-bound pieces -- RMSNorm
-fused with the residual add before it, SwiGLU, RoPE, attention and the output head with its
-cross-entropy -- are `hyperloom.engine.ops` calls whose implementation (`OpImpls`: reference,
-fused) the model holds in `self.ops` and `use_ops` sets. Given labels, `forward` returns the
-mean loss instead of logits, so the fused head never materialises the (tokens, vocab) logits.
-Parameter names follow Meta's reference code (`tok_embeddings`, `layers.N.attention.wq`,
-`feed_forward.w1`, ...); `hyperloom.models.llama.hf` maps them to Hugging Face names.
+Pre-norm blocks x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (arXiv 2302.13971,
+2407.21783), grouped-query attention (arXiv 2305.13245) with RoPE. Optional `model.qk_norm`
+(Qwen3's layout, arXiv 2505.09388) bounds attention logits by the norm weights; optional
+`model.dropout` (p = 0, Llama's setting, draws no random numbers). The memory-bound pieces are
+`hyperloom.engine.ops` calls chosen by `self.ops`; given labels, `forward` returns the loss so
+the fused head never materialises the logits. Parameter names follow Meta's code; `hf.py`
+maps them to Hugging Face names.
 
-The model is built on the meta device and materialised with `to_empty` + `init_weights(seed)`,
-so an 8B model costs nothing until it is placed, and the initial weights depend only on the
-seed and each parameter's name: every parameter draws from its own generator, seeded from
-(seed, name), so a pipeline stage that holds only some layers starts from exactly the
-single-device weights of those layers.
-
-Pipeline chunks are this same class with parts removed (`plan.pipeline_chunk`): layers
-live in a ModuleDict keyed by their global index, so names stay `layers.N...`; a stage without
-`tok_embeddings` takes the hidden state of the previous stage, and one without `norm` returns
-its hidden state instead of logits.
+The model is built on the meta device and materialised with `to_empty` + `init_weights(seed)`;
+each parameter draws from a generator seeded by (seed, name), so a pipeline stage holding some
+layers starts from exactly the single-device weights. Pipeline chunks are this class with
+parts removed: layers sit in a ModuleDict keyed by global index, so names stay `layers.N...`.
 """
 
 from __future__ import annotations

@@ -239,20 +239,12 @@ _host_allocator: str | None = None  # what this process applied, once
 def configure_host_allocator(policy: str = "cache") -> str:
     """Make the C allocator keep freed memory for reuse, as a device caching allocator does.
 
-    Why our own: PyTorch's CUDA caching allocator keeps freed blocks for the next step; on CPU
-    tensors come from the C library's malloc, and glibc serves every block above its mmap
-    threshold (dynamic, at most 32 MiB) with a fresh `mmap` and returns it with `munmap` on
-    free, and trims the heap top above the trim threshold. A training step frees and
-    re-allocates the same large activations every pass, so each pass faults every one of
-    their pages in again: on the 2-core development container that was ~180,000 minor faults
-    and ~0.3 s of kernel time per step of the default model (benchmarks/README.md). Intel's
-    PyTorch launcher swaps in jemalloc/tcmalloc for the same reason; we stay with glibc and
-    set two of its knobs instead: no mmap for large blocks (``M_MMAP_MAX`` = 0, so they come
-    from the heap and their pages stay mapped once touched) and no trimming below 2 GiB of
-    free top (``M_TRIM_THRESHOLD``). The heap keeps its high-water mark, so resident memory
-    can grow: +10% peak RSS on the default model in one earlier A/B (1.49 -> 1.64 GB), -6%
-    in a later one (898 -> 844 MB), i.e. within the run-to-run spread; the planner's
-    calibrated ``host_alloc_factor`` is measured under the same policy.
+    On CPU, glibc serves large blocks with a fresh `mmap` and returns them on free, so every
+    training step faults its activations' pages in again (benchmarks/README.md). Like Intel's
+    launcher swapping in jemalloc, we keep the memory, but through two glibc knobs: no mmap
+    for large blocks (``M_MMAP_MAX`` = 0) and no heap trimming below 2 GiB of free top
+    (``M_TRIM_THRESHOLD``). The heap keeps its high-water mark (peak RSS: docs/ops.md); the
+    planner's calibrated ``host_alloc_factor`` is measured under the same policy.
 
     ``policy``: "cache" (the default for CPU training) or "system" (leave malloc as it is).
     Returns the policy in effect: "system" where the C library is not glibc (musl, macOS) or

@@ -1,17 +1,12 @@
 """Data parallelism, the last slot of the recipe: the model replicated over dp, its gradients
 averaged.
 
-- zero = 0: PyTorch DDP (bucketed all-reduce overlapped with backward, `no_sync` for gradient
-  accumulation) — well-kept machinery, nothing to gain by rewriting it;
-- zero = 1: the model stays as it is; our ZeRO-1 optimizer (`zero1.py`) reduce-scatters the
-  gradients once per step and keeps FP32 master weights and Adam moments 1/dp per rank;
-- zero = 3: PyTorch FSDP2 (`fully_shard`, per transformer block then the root): parameters,
-  gradients and Adam state sharded over dp, all-gathered per block just in time. FSDP2
-  composes with our tensor-parallel modules (plain modules with plain parameters) and is
-  what torchtitan ships.
-
-Under pipeline parallelism the pipeline reduces over dp itself, after the schedule
-(`pipeline.runtime`): a split backward accumulates weight gradients outside autograd's hooks.
+zero = 0 is PyTorch DDP (bucketed all-reduce overlapped with backward); zero = 1 leaves the
+model alone and lets our ZeRO-1 optimizer (`zero1.py`) shard the FP32 master weights and Adam
+moments; zero = 3 is PyTorch FSDP2 (`fully_shard` per block, then the root), which composes
+with our plain tensor-parallel modules. Under pipeline parallelism the pipeline reduces over
+dp itself after the schedule, since a split backward accumulates weight gradients outside
+autograd's hooks.
 """
 
 from __future__ import annotations

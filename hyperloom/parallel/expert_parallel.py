@@ -1,47 +1,27 @@
 """Expert parallelism: each rank of an expert-parallel group holds E / ep experts, and the
 tokens routed to an expert travel to the rank that holds it.
 
-**Folding over data parallelism.** `ep` is not a mesh dimension of its own: the expert layers
-reuse the data-parallel ranks with a different split (Megatron-Core's MoE "parallel folding",
-Liu et al., arXiv 2504.14960; DeepSeek-V3 trains EP64 over its DP ranks, arXiv 2412.19437
-§3.1). Along each data-parallel line, consecutive groups of `ep` ranks form an expert-parallel
-group; the ranks holding the *same* experts (stride `ep`) form the expert-data-parallel group
-of size dp / ep. Attention, norms, router and shared experts stay replicated over dp as before.
+`ep` folds over data parallelism rather than adding a mesh dimension (Megatron-Core's
+"parallel folding", arXiv 2504.14960; DeepSeek-V3 trains EP64 over its DP ranks): consecutive
+groups of `ep` data-parallel ranks form an expert-parallel group, and the ranks holding the
+same experts form the expert-data-parallel group of size dp / ep.
 
-**Dispatch and combine.** The MoE layer routes and sorts its own tokens exactly as on one
-device (`moe.MoE`): rows of x grouped by global expert id, `counts[e]` rows for expert e. The
-experts module of that layer is swapped for an `ExpertParallelExperts`, which keeps the
-contract "rows for the experts in, their outputs out, same order" and hides the travel:
+The MoE layer routes and sorts its tokens as on one device; its experts module is swapped for
+an `ExpertParallelExperts` that keeps the contract "rows for the experts in, their outputs
+out, same order" and hides the travel, by one of two dispatchers whose backward is the
+transposed collective:
 
-- **all-to-all** (GShard, arXiv 2006.16668; Megatron's `alltoall` dispatcher; DeepSeek-V3's
-  DeepEP): exchange the per-expert counts (a small all-to-all), send each rank the rows for
-  its experts with one all-to-all of variable splits, regroup the received rows from
-  (source rank, local expert) order to (local expert, source rank) order for one grouped GEMM,
-  and send the outputs back with the inverse all-to-all. Traffic per rank: the routed rows
-  (tokens x top-k x dim) twice in forward and twice in backward, of which (ep - 1) / ep leave
-  the rank.
-- **all-gather** (Megatron's `allgather` dispatcher, which suits a small ep or a large top-k):
-  every rank all-gathers the whole group's routed rows (padded to the longest), runs its local
-  experts on the rows that are theirs, and a reduce-scatter returns each rank the outputs of
-  its own rows (zeros elsewhere, so the sum is exact). More bytes than all-to-all (all rows
-  reach every rank) but only fixed-size collectives.
+- all-to-all (GShard, arXiv 2006.16668; Megatron's `alltoall`; DeepSeek's DeepEP): exchange
+  counts, send each rank its experts' rows, regroup for one grouped GEMM, send outputs back;
+- all-gather (Megatron's `allgather`, for small ep or large top-k): every rank gathers the
+  group's rows, runs its experts, and a reduce-scatter returns each rank its rows' outputs.
+  More bytes, only fixed-size collectives.
 
-Both are autograd functions whose backward is the transposed collective, so the expert weights
-receive the gradient of every token routed to them from the whole ep group.
-
-**Gradients.** With data parallelism each rank's loss is the mean over its own rows and DDP
-averages gradients over dp. An expert weight's local gradient already sums the contributions
-of the ep ranks that sent it rows; summing it over the expert-data-parallel group and dividing
-by dp gives exactly the gradient of the one-process loss over the global batch
-(`ExpertParallelism.reduce_grads`). DDP is told to leave the expert weights alone. For the
-global gradient norm the expert weights are disjoint over ep, like tensor-parallel shards are
-over tp.
-
-Checkpoints stay layout-free: an expert weight carries `Shard(0, ep_rank, ep, over="ep")`,
-so state gathering concatenates the ep ranks' experts into the whole (E, out, in) tensor and loading slices it back (`checkpoint.state`). Delayed FP8 scaling's
-per-expert histories (E / ep, len, 9) take the same road in the FP8 state a checkpoint keeps:
-`fp8_state_dict` gathers them whole over ep (`fp8_whole`), loading takes this rank's experts'
-rows (`fp8_piece`).
+An expert weight's local gradient already sums the ep ranks' contributions; summing it over
+the expert-data-parallel group and dividing by dp gives the one-process gradient
+(`ExpertParallelism.reduce_grads`), so DDP leaves expert weights alone. Expert weights carry
+`Shard(0, ep_rank, ep, over="ep")`, so checkpoints gather and slice them whole, and FP8
+per-expert histories take the same road (`fp8_whole`, `fp8_piece`).
 """
 
 from __future__ import annotations

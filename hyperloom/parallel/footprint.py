@@ -1,9 +1,8 @@
 """What a rank holds for training state, measured: the bytes of its parameters, gradients,
 optimizer moments and FP32 master weights.
 
-A parallel layout promises to divide these (tp and ep split parameters, ZeRO-1 the moments
-and master weights, FSDP all of them); the layout tests and benchmarks/parallel_layouts.py
-check the promise on the tensors a rank really has, rather than trusting the arithmetic.
+The layout tests and benchmarks/parallel_layouts.py check that a layout divides these as it
+promises, on the tensors a rank really has rather than by arithmetic.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The FP8 slot of the parallelize recipe: swap in the engine's FP8 linears as `precision`
-says, on the meta device, before tensor parallelism — the parallel layers wrap an FP8 linear
-and reduce its amaxes over their group, so they must find it already converted."""
+says, on the meta device, before tensor parallelism, whose layers wrap an FP8 linear and
+reduce its amaxes over their group.
+"""
 
 from __future__ import annotations
 

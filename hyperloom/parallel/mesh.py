@@ -1,20 +1,11 @@
 """One device mesh for the whole job: named dimensions pp, dp, cp, tp, and the groups they imply.
 
-The mesh is the only place process groups come from; they are handed to the layers that need
-them explicitly (no module globals). Built on `torch.distributed.device_mesh.DeviceMesh`, so
-its groups are the ones FSDP2 and distributed checkpointing also understand.
-
-Rank order. Ranks are laid out row-major over `parallel.order` (outermost first, default
-"pp,dp,cp,tp"): tensor parallelism is innermost, so the ranks of one tensor-parallel group are
-consecutive — on a GPU node, the GPUs joined by NVLink — and pipeline stages are outermost,
-where the slow links carry the least traffic (Narayanan et al., arXiv 2104.04473, §3.3).
-
-Expert parallelism does not add a dimension: it folds over data parallelism, as in Megatron's
-MoE "parallel folding" (the expert layers reuse those ranks for a different split), so `ep`
-must divide `dp` (`expert_groups`).
-
-A single process gets a mesh with every size 1 and no groups; the layers then skip their
-collectives, so the same code runs with and without torch.distributed.
+The mesh is the only source of process groups, handed explicitly to the layers that need them.
+It wraps `DeviceMesh`, so FSDP2 and distributed checkpointing understand its groups. Ranks are
+row-major over `parallel.order` (default "pp,dp,cp,tp"): tp innermost, on the fastest links,
+pp outermost, where slow links carry least (arXiv 2104.04473 §3.3). Expert parallelism folds
+over dp, so `ep` must divide `dp`. A single process gets a mesh of size 1 and no groups, and
+the layers skip their collectives.
 """
 
 from __future__ import annotations

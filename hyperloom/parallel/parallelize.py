@@ -3,24 +3,18 @@ layout, for the plain and the pipeline path alike.
 
 Slots, in this fixed order, each its own module:
 
-1. fp8 (`parallel.fp8`): the engine's FP8 linears swapped in first, because the parallel
-   layers wrap an FP8 linear and reduce its amaxes over their group;
+1. fp8 (`parallel.fp8`): FP8 linears first, since the parallel layers wrap them;
 2. tensor (`parallel.tensor_parallel`): the family's tensor/sequence-parallel plan;
-3. context: the sequence split over cp ranks — not built yet (the config refuses cp > 1);
+3. context: not built yet (the config refuses cp > 1);
 4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank;
-5. recompute: activation checkpointing — not built yet;
+5. recompute: not built yet;
 6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
-7. compile: `torch.compile` of the wrapped module (`train.compile`), last, so dynamo sees
-   DDP's hooks and splits its graphs at the bucket boundaries.
+7. compile (`train.compile`), last, so dynamo sees DDP's hooks.
 
-Slots 1-5 run on the meta device (`parallelize`), on a whole model or on one pipeline chunk.
-Then `materialize` allocates and initialises: each rank allocates only its shards and draws
-every tensor from the single-device init stream (`models.shard`), so all layouts start from
-the same weights. Slots 6-7 wrap the materialized model (`build_parallel_model`); the
-pipeline (`pipeline.runtime`) reduces over dp itself after its schedule.
-
-The recipe knows no model family: the caller hands it the family's tensor-parallel plan, and
-expert parallelism finds the family-neutral expert banks (`models.experts`).
+Slots 1-5 run on the meta device, on a whole model or a pipeline chunk; `materialize` then
+allocates this rank's shards and draws every tensor from the single-device init stream, so all
+layouts start from the same weights; slots 6-7 wrap the result (`build_parallel_model`). The
+recipe knows no model family: callers hand it the family's plan.
 """
 
 from __future__ import annotations

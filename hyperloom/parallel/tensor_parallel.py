@@ -1,46 +1,24 @@
 """Tensor and sequence parallelism (Megatron-LM style), as layers applied from outside.
 
-Tensor parallelism (Shoeybi et al., arXiv 1909.08053) splits each attention block and MLP
-across the `tp` ranks with two collectives per block: a column-parallel linear (weight split
-along its output features: heads, or the SwiGLU hidden width) feeds a row-parallel linear
-(weight split along its input features), whose partial outputs are summed across the group.
-Sequence parallelism (Korthikanti et al., arXiv 2205.05198) also splits the regions between
-the blocks (norms, residual adds) along the sequence: the all-reduce becomes a reduce-scatter
-after the row-parallel linear plus an all-gather before the next column-parallel one, which
-moves the same bytes but stores 1/tp of those activations.
+Tensor parallelism (arXiv 1909.08053) pairs a column-parallel linear (split along output
+features) with a row-parallel one (split along input features) whose partial outputs are
+summed. Sequence parallelism (arXiv 2205.05198) also splits the norms and residuals along the
+sequence: the all-reduce becomes a reduce-scatter plus an all-gather, same bytes, 1/tp of those
+activations. We write the layers rather than use DTensor's `parallelize_module` because the
+engine must own the GEMMs: FP8 quantizes on a chosen side of each collective, and Zero Bubble
+splits a linear's backward into B and W. The collectives are autograd functions whose
+backward is the conjugate collective. Activations are (batch, seq, features).
 
-We write these layers ourselves rather than use DTensor's `parallelize_module` because the
-rest of the engine needs to own the GEMMs: the FP8 engine quantizes on a chosen side of each
-collective, and Zero Bubble pipeline schedules split a linear's backward into the input
-gradient (B) and the weight gradient (W). The collectives are four autograd functions whose
-backward is the conjugate collective (identity <-> all-reduce, all-gather <-> reduce-scatter).
+The output head is vocab-parallel; with the fused cross-entropy even this rank's logits slice
+exists only one chunk of tokens at a time.
 
-Activations are batch-first, (batch, seq, features); the sequence dimension is 1.
-
-The output head is vocab-parallel and feeds `vocab_parallel_cross_entropy`, which needs only
-three all-reduces of (batch, seq) scalars: the full (batch, seq, vocab) logits never exist on
-one rank. With the fused cross-entropy (`VocabParallelHead.loss`), not even this rank's
-(batch, seq, vocab / tp) slice does: the engine's chunked `linear_cross_entropy` computes it
-a chunk of tokens at a time and calls back here for the two per-chunk all-reduces.
-
-A model family describes tensor parallelism as data — a plan mapping module paths (with `*`
-for a layer index) to a style — and `apply_tensor_parallel` (the recipe's tensor slot) knows
-what each style means:
-
-- "colwise" / "rowwise": column/row-parallel linears;
-- "tp_input": the block's input is made whole on the group once (all-gather under sequence
-  parallelism), for all the column-parallel linears inside it;
-- "vocab_embedding" / "vocab_head": vocabulary-parallel embedding and output head;
-- "sp_norm": a norm that runs on a sequence slice under sequence parallelism, so its weight
-  gradient must be summed over the tensor-parallel group;
-- "colwise_tp_input": a column-parallel linear that makes its own input whole (MLA's wq
-  without q_lora, a block whose other inputs need no sum);
-- "tp_output_grad": a replicated module whose output feeds only this rank's shards (MLA's
-  low-rank down-projections): its output gradient is summed over the group before its
-  backward, so its weight and input gradients come out whole on every rank;
-- "tp_partial_grad": a replicated module whose output feeds only this rank's heads and whose
-  output gradient is not summed (MLA's latent norms): each rank's weight gradient is a
-  partial sum, summed over the group after backward.
+A family's plan maps module paths to styles, which `apply_tensor_parallel` interprets:
+"colwise" / "rowwise" linears; "tp_input" (a block's input made whole once for its
+column-parallel linears); "vocab_embedding" / "vocab_head"; "sp_norm" (a norm on a sequence
+slice, its weight gradient summed over tp); "colwise_tp_input" (a column-parallel linear that
+makes its own input whole); "tp_output_grad" (a replicated module feeding only this rank's
+shards: its output gradient summed before its backward); "tp_partial_grad" (a replicated
+module whose weight gradient is a partial sum, summed after backward).
 """
 
 from __future__ import annotations

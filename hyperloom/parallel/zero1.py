@@ -1,44 +1,20 @@
 """ZeRO-1 distributed optimizer: FP32 master weights and AdamW state sharded over dp.
 
-Rajbhandari et al. (arXiv 1910.02054) observe that with Adam, 12 of the 16 bytes per
-parameter of mixed-precision training are optimizer state (FP32 master copy and two
-moments) that every data-parallel rank updates identically. ZeRO stage 1 gives each rank
-1/dp of that state: gradients are reduce-scattered (each rank receives the averaged
-gradient of its slice), each rank runs AdamW on its slice of the master weights, and the
-updated slices are all-gathered back into every rank's model parameters. The traffic equals
-DDP's all-reduce (a reduce-scatter plus an all-gather is an all-reduce).
+With Adam, 12 of the 16 bytes per parameter of mixed-precision training are optimizer state
+that every data-parallel rank updates identically (ZeRO, arXiv 1910.02054). Stage 1 gives each
+rank 1/dp of it: gradients are reduce-scattered, each rank runs AdamW on its slice of the
+master weights, and the slices are all-gathered back, the same traffic as DDP's all-reduce.
 
-Layout, as in Megatron's distributed optimizer: all parameters of this rank (tensor-parallel
-shards included) are laid end to end in one flat FP32 space, padded to a multiple of dp;
-rank r owns the contiguous range [r*N/dp, (r+1)*N/dp), which may cut a tensor in two.
-Matrices decay, vectors do not.
-
-Gradients accumulate locally over micro-batches and are reduced once per step, so gradient
-accumulation costs no extra communication. (The reduction is not yet overlapped with
-backward; DDP's bucketed overlap is used for zero = 0.)
-
-Memory. When every parameter is FP32 (autocast training), the gradients live in one flat
-FP32 buffer from the start: each `p.grad` is a view of it, autograd accumulates into it in
-place (as DDP's `gradient_as_bucket_view` does), and the same buffer is the collectives'
-input and output -- no flattened copy of the gradients, no gathered copy of the weights.
-The collectives depend on the backend. NCCL-style backends reduce-scatter the gradients and
-all-gather the weights, as above. gloo (CPU) is different: its `reduce_scatter_tensor` and
-`all_gather_into_tensor` each allocate a temporary as large as the whole buffer, and both
-measured slower than its in-place all-reduce of the same buffer (2 ranks, 88 MB: reduce-
-scatter 75-97 ms, all-gather 85-90 ms, all-reduce 52-71 ms). So on gloo the gradients are
-all-reduced in place and each rank keeps its slice, and the weights are published by an
-in-place all-reduce of a buffer that is zero outside each rank's slice. That is twice the
-bytes on the wire but no extra memory.
-
-Nor does setting up allocate anything of full size: the owned range is kept as pieces of
-parameters, so weight decay and the norm's tensor-parallel/replica bookkeeping are per-piece
-flags, not per-element masks. On the default model, dp2 ZeRO-1 (`hyperloom train --nproc 2
---parallel.dp 2 --parallel.zero 1`, 8 steps) peaked at 1.49 GB resident per rank with the
-flattened copies, masks and gloo temporaries and at 1.11 GB without (plain dp2: 1.11 GB),
-and ran at 2,205 against 1,948 tokens/s, with the same losses.
-
-The update is `torch.optim.AdamW`'s, element for element, so a zero = 1 run equals a
-single-process run to rounding.
+As in Megatron's distributed optimizer, this rank's parameters lie end to end in one flat FP32
+space padded to a multiple of dp, and rank r owns a contiguous range that may cut a tensor in
+two; the range is kept as pieces of parameters, so weight decay and norm bookkeeping are
+per-piece flags and setup allocates nothing of full size. Gradients accumulate locally and
+are reduced once per step (not yet overlapped with backward). When every parameter is FP32,
+each `p.grad` is a view of one flat buffer that is also the collectives' input and output. On
+gloo, whose reduce-scatter and all-gather allocate a whole-buffer temporary and measured
+slower, gradients and weights go through in-place all-reduces instead (docs/parallelism.md).
+The update is `torch.optim.AdamW`'s element for element, so zero = 1 equals one process to
+rounding.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Pipeline parallelism: schedules as data.
 
-A schedule is a per-rank list of actions (F, B, W, full backward BW, overlapped F&B pair, and
-the sends/receives between ranks) over a stage graph (`ir.py`). Generators are plain
-functions of (pp, [vpp,] micro-batches): GPipe, 1F1B, interleaved 1F1B (`basic.py`), ZB-H1,
-ZB-V (`zero_bubble.py`), DualPipe and DualPipeV (`dualpipe.py`), registered in
-`schedules.SCHEDULES`. `add_communication` inserts the p2p actions, `validate` proves a list
-can run (dependencies, deadlock, activation bound), `simulate` times it under per-action
-costs, `plot_timeline` draws it, and `hyperloom schedule` (`cli.py`) does all of it from the
-command line. The executor (which runs the lists over real stages) and the planner (which
-costs them with measured op times) consume the same IR.
+A schedule is a per-rank list of actions (F, B, W, BW, overlapped FB pairs, sends and
+receives) over a stage graph (`ir.py`). Generators (GPipe, 1F1B, interleaved, ZB-H1, ZB-V,
+DualPipe, DualPipeV) are plain functions registered in `schedules.SCHEDULES`; `comm` inserts
+the p2p actions, `validate` proves a list can run, `simulate` times it, `plot` draws it, and
+the executor and the planner consume the same lists.
 
     >>> from hyperloom.pipeline import build_schedule, simulate
     >>> r = simulate(build_schedule("1f1b", pp=4, microbatches=8))

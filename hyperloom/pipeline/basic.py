@@ -1,31 +1,19 @@
 """GPipe, 1F1B and interleaved 1F1B: the schedules with a full backward (BW) per stage.
 
-GPipe (Huang et al. arXiv 1811.06965) runs every forward, then every backward. With p stages
-and m micro-batches the step takes (m + p - 1)(F + B + W): the bubble on each rank is
-(p - 1)(F + B + W), and all m activations are alive at the turn.
+- GPipe (arXiv 1811.06965): every forward, then every backward; bubble (p - 1)(F + B + W) per
+  rank, all m activations alive at the turn.
+- 1F1B, "PipeDream-Flush" (arXiv 2104.04473 §2.2.1): rank r runs p - r - 1 warm-up
+  forwards, then alternates forward and backward, then drains. Same bubble, but at most
+  p - r activations, independent of m.
+- Interleaved 1F1B (same paper §2.2.2): v chunks per rank (stage s on rank s % p), bubble
+  (p - 1)(F + B + W) / v for v times the p2p traffic. We follow Megatron-LM's ordering
+  (`forward_backward_pipelining_with_interleaving`): micro-batches in groups of p, each
+  group running every chunk's forwards in chunk order, backwards in reverse; rank r warms up
+  with 2(p - r - 1) + (v - 1)p forwards. Groups are exactly p micro-batches because the
+  first group's chunk-c forwards reach rank p - 1 just as rank 0 needs them for chunk c + 1.
 
-1F1B, "PipeDream-Flush" (Narayanan et al. arXiv 2104.04473 §2.2.1): rank r runs p - r - 1
-warm-up forwards, then alternates one forward with one backward, then drains the remaining
-backwards. The bubble is the same as GPipe's, (p - 1)(F + B + W), but a rank never holds more
-than p - r activations, so memory no longer grows with m.
-
-Interleaved 1F1B (same paper, §2.2.2): each rank holds v model chunks (stage s on rank s % p),
-so a micro-batch crosses the ranks v times and each stage costs 1/v of a rank's share. The
-bubble shrinks to (p - 1)(F + B + W) / v at the price of v times the p2p traffic. We follow
-Megatron-LM's ordering (`megatron/core/pipeline_parallel/schedules.py`,
-`forward_backward_pipelining_with_interleaving`): micro-batches are taken in groups of p; for
-each group every chunk runs forward in chunk order (chunk 0 for the p micro-batches, then
-chunk 1, ...), and the backwards walk the same table with the chunk order reversed. Rank r
-warms up with 2(p - r - 1) + (v - 1)p forwards; after that, one forward and one backward
-alternate. The first group's chunk-c forwards on rank 0 reach rank p - 1 just as rank 0 needs
-them for chunk c + 1, which is why groups have exactly p micro-batches. When m is not a
-multiple of p the last group is shorter (Megatron's `get_schedule_table`); `interleaved_order`
-builds that table, but the schedule takes m a multiple of p, for which the closed-form bubble
-holds.
-
-The pipeline sizes and numbers of m each generator accepts are one rule,
-`hyperloom.config.schedule_shape_problems`, which the job's validation reports and
-`require_shape` raises here (the generators and `schedules.build_schedule` call it).
+Which (pp, m) each generator accepts is one rule, `hyperloom.config.schedule_shape_problems`,
+which `require_shape` raises here.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """`hyperloom schedule KIND --pp P --microbatches M [--vpp V] [--json FILE] [--png FILE]`.
 
-Builds the schedule, inserts its p2p actions, validates and simulates it, and prints one row
-per rank: busy time, bubble, bubble share, peak in-flight activations and the action counts,
-then the step time and the simulated bubble next to the published closed form. `--json`
-writes the per-rank action lists (the program an executor runs, with simulated start/end
-times), `--png` the timeline.
-
-The lead's `hyperloom.cli` registers the sub-command with `add_schedule_parser(subparsers)`;
-`ScheduleError` (a `ValueError`) is the user error it turns into a message and exit status 2.
+Builds, validates and simulates a schedule and prints per rank its busy time, bubble, peak
+activations and action counts, next to the published closed form; `--json` writes the action
+lists with simulated times, `--png` the timeline. `hyperloom.cli` registers it through
+`add_schedule_parser`; `ScheduleError` is the user error it reports with exit status 2.
 """
 
 from __future__ import annotations

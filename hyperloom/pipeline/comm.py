@@ -1,28 +1,15 @@
 """Insert the point-to-point sends and receives a compute-only schedule needs.
 
-Generators write compute actions only; this pass derives the communication from the stage
-graph, so no generator can forget a send or put a receive in the wrong place.
+Generators write compute actions only; this pass derives communication from the stage graph:
+``SEND_F`` after a forward whose next stage is on another rank and ``RECV_F`` before the
+consumer's forward, ``SEND_B``/``RECV_B`` likewise for backwards; stages on one rank hand
+tensors over in memory.
 
-- After each forward of (m, s) whose next stage lives on another rank: ``SEND_F(m, s)``; before
-  the consumer's forward of (m, next(s)): ``RECV_F(m, next(s))``.
-- After each backward (B, BW or the backward half of FB) of (m, s) whose previous stage lives on
-  another rank: ``SEND_B(m, s)``; before the backward of (m, prev(s)): ``RECV_B(m, prev(s))``.
-- Stages on the same rank (the turn of a V, or a DualPipe rank's two stages) hand tensors over
-  in memory: no comm.
-
-Ordering contract, which `validate` checks: sends are asynchronous (an executor posts
-``isend`` and moves on), receives block until their data has arrived, and between any two
-ranks the messages from a to b are received in the order a sent them, whatever their kind.
-The last point matters for NCCL-style p2p, which matches a pair's sends and receives by issue
-order, not by tag: a receiver that posted "gradient 5" while the sender's next message was
-"activation 7" would read the wrong tensor.
-
-Placement of receives. Each receive goes as late as possible, i.e. just before the action
-that consumes it, unless an earlier consumer on the same channel forces it forward (a receive
-cannot pass the one the sender sent after it). Receives therefore only ever sit immediately
-before a compute action in a clump; every send the receiver would have issued before that
-compute action has been issued, so moving a receive forward this way never creates a wait
-cycle that the compute-only order did not have.
+Contract, checked by `validate`: sends are asynchronous, receives block, and messages from one
+rank to another are received in send order whatever their kind (NCCL-style p2p matches by
+issue order, not by tag). Each receive goes just before its consumer unless an earlier
+consumer on the same channel pulls it forward, so moving receives never creates a wait cycle
+the compute-only order did not have.
 """
 
 from __future__ import annotations

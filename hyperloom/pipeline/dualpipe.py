@@ -1,17 +1,14 @@
 """DualPipe and DualPipeV (DeepSeek-V3, arXiv 2412.19437 §3.2.1; deepseek-ai/DualPipe).
 
-DualPipe feeds micro-batches from both ends of the pipeline. Two copies of the model are laid
-out in opposite directions: pipe 0 runs stages 0..p-1 on ranks 0..p-1, pipe 1 runs its copy on
-ranks p-1..0, and half of the micro-batches enter each pipe (see `ir.py`). Each rank thus holds
-a stage near the *start* of one pipe ("phase 0" below, in the upstream direction) and a stage
-near the *end* of the other ("phase 1"). The schedule's main step pairs the forward of one
-direction with the full backward of the other (an FB action), so that in the real thing one's
-all-to-all communication hides behind the other's compute. Weight gradients are deferred into
-a FIFO queue (DualPipe's `WeightGradStore`) where B runs alone, and popped where the pipe
-would otherwise idle.
+DualPipe feeds micro-batches from both ends: pipe 0 runs stages 0..p-1 on ranks 0..p-1, pipe 1
+a second copy on ranks p-1..0, half the micro-batches each (`ir.py`). Each rank holds a stage
+near the start of one pipe ("phase 0") and one near the end of the other ("phase 1"). The
+main step pairs one direction's forward with the other's full backward (an FB action), so on
+a GPU one's all-to-all hides behind the other's compute. Weight gradients go to a FIFO queue
+(DualPipe's `WeightGradStore`) where B runs alone and are popped where the pipe would idle.
 
-Per rank r, with H = p/2, h = min(r, p-1-r) and C = m/2 micro-batches per direction, the step
-runs eight phases (REFERENCE.md §3.5, `dualpipe.py`'s `step`); counts are loop iterations:
+Per rank r, with H = p/2, h = min(r, p-1-r) and C = m/2, the step runs the eight phases of
+DualPipe's `step` (counts are loop iterations):
 
 ====  ===========  ============  =================================================
  no.  name         iterations    one iteration
@@ -26,20 +23,15 @@ runs eight phases (REFERENCE.md §3.5, `dualpipe.py`'s `step`); counts are loop 
   8   nW           h+1           W (pop)
 ====  ===========  ============  =================================================
 
-F0/B0 act on the phase-0 stage and F1/B1 on the phase-1 stage. On the two middle ranks
-(h = H-1) the first phase-4 iteration runs F0 and then BW1 without overlap, because the pair's
-backward would otherwise wait for the forward just sent across the middle (DualPipe's "we don't
-overlap these two chunks to further reduce bubble size"). For p = 8 and m = 20, rank 0 runs
-6, 1, 3, 3, 3, 1, 3, 1: ten forwards in each direction.
+F0/B0 act on the phase-0 stage, F1/B1 on the phase-1 stage. On the two middle ranks the first
+phase-4 iteration runs F0 then BW1 without overlap, since the backward would wait for the
+forward just sent across the middle (as upstream does).
 
-DualPipeV ("cut-in-half", same repository): one pipe of 2p half-sized stages placed as a V
-(rank r holds r and 2p-1-r, like ZB-V), all micro-batches entering at rank 0. It is the same
-eight-phase program with H -> p, h -> r and C -> m: phase 0 is the first leg, phase 1 the
-second. It needs m >= 2p; DualPipe needs an even p and an even m >= 2p.
-
-The published bubble is (PP/2 - 1)(F&B + B - 3W) with B the full backward, against 1F1B's
-(PP - 1)(F + B); the peak in-flight activations are PP + 1 (an FB pair holds its new forward
-while the backward it overlaps has not yet freed its own). Both do not grow with m.
+DualPipeV ("cut-in-half"): one pipe of 2p half-sized stages in a V (rank r holds r and
+2p-1-r), all micro-batches entering at rank 0; the same program with H -> p, h -> r, C -> m.
+DualPipe needs an even p and an even m >= 2p, DualPipeV m >= 2p. The published bubble is
+(PP/2 - 1)(F&B + B - 3W), B the full backward, with PP + 1 activations in flight; neither
+grows with m.
 """
 
 from __future__ import annotations

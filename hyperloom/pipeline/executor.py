@@ -1,30 +1,14 @@
 """Run one rank's action list: the single executor behind every schedule.
 
-`PipelineExecutor.run` walks the rank's actions of a `Schedule` (with communication, see
-`comm.py`) once per training step:
-
-- ``F``: the stage input is the micro-batch's token ids on a pipe's first stage, else the
-  activation received from the previous stage's rank or handed over in memory by a stage on
-  this rank. The output is kept for the backward. A pipe's last stage is called with the
-  labels and returns the loss (`module(x, labels=y)`, so a fused head never materialises the
-  logits), scaled so the step's gradient is the mean over micro-batches. A stage before the
-  last may also leave a loss term of its own (`side_loss()`: MoE auxiliary balance losses),
-  added to the micro-batch's loss and to its backward, as Megatron's aux-loss auto-scaler does.
-- ``BW`` / ``B``: autograd from the kept output with the gradient received from the next stage
-  (or the loss). The gradient of the stage input goes back to the previous stage. ``B`` runs
-  under a `WeightGradStore` so linear layers queue their weight gradients; ``W`` runs them.
-  Activations are dropped as soon as their backward has consumed them.
-- ``FB``: the forward, then the backward, of two different (stage, micro-batch) pairs. On a GPU
-  DualPipe overlaps them on two streams so that one's all-to-all hides behind the other's
-  compute; this executor runs them one after the other, which gives the same numbers.
-- ``SEND_*`` / ``RECV_*``: adjacent communication actions are posted together. Receives are
-  batched with `batch_isend_irecv` and waited for at once; sends are posted and left to
-  complete in the background (their tensors are kept alive until the end of the step), as the
-  ordering contract of `comm.py` assumes. Waiting for a send before computing on would
-  deadlock where two ranks send to each other first (gloo sends rendezvous with the receive).
-
-Activation shapes are fixed per job (micro-batch, sequence or its tensor-parallel shard under
-sequence parallelism, hidden size), so receive buffers are allocated without a shape exchange.
+`PipelineExecutor.run` walks a rank's actions once per step. F feeds token ids (first stage)
+or the received or in-memory activation; a pipe's last stage returns the loss, scaled so the
+step's gradient is the mean over micro-batches, plus any stage's `side_loss()` (MoE balance
+losses). BW/B run autograd from the kept output; B queues linear weight gradients in a
+`WeightGradStore`, W runs them. FB runs its forward then its backward (on a GPU DualPipe
+overlaps them on two streams; the numbers are the same). Adjacent receives are batched with
+`batch_isend_irecv` and waited for together; sends complete in the background, as `comm.py`'s
+contract assumes (waiting on them could deadlock where two ranks send first). Activation shapes
+are fixed per job, so receive buffers need no shape exchange.
 """
 
 from __future__ import annotations

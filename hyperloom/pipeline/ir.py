@@ -1,45 +1,26 @@
 """Pipeline schedules as data: the intermediate representation every other module shares.
 
-A schedule is, for each pipeline rank, an ordered list of actions. The executor runs the list
-(one torch.distributed p2p op or one autograd call per action), the validator replays it
-symbolically, the simulator lays costs onto it and the plotter draws it. Because all four read
-the same lists, a picture or a predicted step time is a statement about the exact program that
-runs (ARCHITECTURE.md: "schedules are data").
+A schedule is, for each pipeline rank, an ordered list of actions. The executor runs it, the
+validator replays it symbolically, the simulator times it and the plotter draws it, so a
+picture or a predicted step time is a statement about the exact program that runs.
 
-Actions (`ActionKind`):
+Actions (`ActionKind`): ``F`` forward of micro-batch m through stage s; ``B`` input-gradient
+backward and ``W`` weight-gradient backward (Zero Bubble, arXiv 2401.10241 §2), W movable into
+bubbles; ``BW`` both in one call; ``FB`` an overlapped pair, one (stage, micro-batch)'s forward
+beside another's backward (DualPipe, arXiv 2412.19437 §3.2.1; its backward half is BW by
+default, or B); ``SEND_F``/``RECV_F``, ``SEND_B``/``RECV_B`` carry activations forward and input
+gradients back, each naming a stage held by the rank that runs it.
 
-- ``F``  forward of micro-batch m through stage s.
-- ``B``  input-gradient backward ("B" of Zero Bubble, Qi et al. arXiv 2401.10241 §2): the
-  gradient w.r.t. the stage input, which the previous stage is waiting for.
-- ``W``  weight-gradient backward: needs only its own B, so schedules move it into bubbles.
-- ``BW`` full backward, B and W in one call (1F1B, interleaved 1F1B, GPipe).
-- ``FB`` an overlapped pair, as in DualPipe (DeepSeek-V3 arXiv 2412.19437 §3.2.1): the forward
-  of one (stage, micro-batch) runs concurrently with the backward of another, so one's
-  all-to-all hides behind the other's compute. The backward half is a full backward by default
-  (`b_kind=BW`, as DualPipe's `_forward_backward_chunk` does) or B alone (`b_kind=B`).
-- ``SEND_F``/``RECV_F`` carry activations to the next stage's rank, ``SEND_B``/``RECV_B``
-  carry input gradients back to the previous stage's rank. A send names the stage that
-  produced the tensor, a receive the stage that consumes it: every comm action names a stage
-  held by the rank that runs it, which is what an executor needs to find its buffers.
+``placement[s]`` is the rank holding stage s; micro-batches flow through pipes (chains of
+stages ending in a loss):
 
-Stages, pipes and placement. A `Schedule` has ``n_stages`` stages; ``placement[s]`` is the rank
-that holds stage s. Micro-batches flow through one or more *pipes*: a pipe is an ordered chain
-of stages plus the micro-batches that enter it; its last stage computes the loss.
+- standard (GPipe, 1F1B, ZB-H1, interleaved): one pipe, stage s on rank s % pp;
+- V-shape (ZB-V, DualPipeV): one pipe of 2pp stages, rank r holds r and 2pp-1-r, so input and
+  loss both live on rank 0;
+- DualPipe: two pipes over two model copies, pipe 1 entering from rank pp-1 with the second
+  half of the micro-batches; ``replica_of[pp+k] = k`` (the copies' gradients are summed).
 
-- standard (GPipe, 1F1B, ZB-H1, interleaved with v chunks): one pipe 0..pp*v-1, stage s on rank
-  s % pp, so rank r holds r, r+pp, r+2pp, ... (Narayanan et al. arXiv 2104.04473 §2.2).
-- V-shape (ZB-V, DualPipeV): one pipe 0..2pp-1, rank r holds stages r and 2pp-1-r, so the
-  first and the last stage (input and loss) both live on rank 0 and the turn at rank pp-1
-  needs no communication.
-- DualPipe: two pipes over two copies of the model. Pipe 0 is stages 0..pp-1 on ranks
-  0..pp-1 and takes micro-batches 0..m/2-1; pipe 1 is stages pp..2pp-1 on ranks pp-1..0 and
-  takes micro-batches m/2..m-1, which enter from the other end. ``replica_of[pp+k] = k``: stage
-  pp+k runs the same layers as stage k (its weights are a second copy whose gradients are
-  summed with the first's). Rank r therefore holds stages r and 2pp-1-r, exactly the V
-  placement, but each stage is a full 1/pp of the model and each pipe has its own loss stage.
-
-Actions may carry a ``phase`` tag (DualPipe's eight phases); it is metadata for tests and
-pictures, not part of an action's identity.
+An action's ``phase`` tag (DualPipe's eight phases) is metadata, not identity.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Timeline picture of a simulated schedule: ranks down, time across, one box per action.
 
-Reading it at a glance:
-
-- colour is the action: forward blue, input-gradient backward (B) green, weight gradient (W)
-  grey, full backward (BW) green with its W share in grey at the right end, and an overlapped
-  F&B pair split in two lanes (forward on top, backward below) in one outlined box;
-- shade is the chunk: a rank's second chunk (interleaved 1F1B's later chunks, the way back up
-  a V, DualPipe's reverse-direction copy) is drawn darker, so the V and the two directions of
-  DualPipe stand out;
-- the number in a box is the micro-batch; white space is bubble, and each row ends with its
-  idle share;
-- with a non-zero p2p latency, receive waits are a thin orange strip under the row.
-
-Matplotlib runs with the Agg backend (no display needed); the figure widens with the number of
-actions so that micro-batch numbers stay legible.
+Colour is the action (F blue, B green, W grey, an FB pair in two lanes), shade the chunk (a
+rank's second chunk darker, so V shapes and DualPipe's directions stand out), the number the
+micro-batch; white space is bubble. Matplotlib runs headless (Agg).
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """A pipelined model as the trainer sees it: this rank's chunks, the executor, and the
 gradient bookkeeping that pipelining adds to tensor and data parallelism.
 
-Building (`build_pipeline`). The schedule fixes how many model chunks there are (pp, pp x vpp
-for interleaved, 2pp for the V shapes, pp for DualPipe whose two copies share chunks) and
-which rank runs which stage. Layers are split over the chunks evenly or by
-`parallel.pp_layers`; chunk 0 also holds the embedding and the last chunk the final norm and
-head. Each chunk is the model family's own module cut down on the meta device (parameter
-names stay global), tensor-parallelised, allocated and initialised from the seed by name, so
-it starts from exactly the single-device weights.
+`build_pipeline` cuts the family's model into the schedule's chunks on the meta device
+(parameter names stay global) and runs the parallelize recipe on each, so every chunk starts
+from the single-device weights. Parameters held twice (a tied embedding on the first and last
+chunk, DualPipe's two copies) get their gradients summed after the schedule, in memory or by
+an all-reduce over the holders (Megatron's "embedding group"), so the copies stay equal; the
+gradient norm counts each once.
 
-Parameters held more than once. A tied embedding lives on the first chunk (as input) and on
-the last (as head); DualPipe holds every chunk twice, on ranks r and pp-1-r. Each copy gets
-its own gradient from its own micro-batches; after the schedule the copies' gradients are
-summed (in memory when they share a rank, else by an all-reduce over the pipeline ranks that
-hold them, Megatron's "embedding group"), so every copy takes the same optimizer step and
-they stay equal. The gradient norm counts each parameter once, at its first holder.
-
-FP8 (`precision.fp8`). Each chunk's linears are converted before tensor parallelism, as
-`parallelize` does for the whole model, and its scaling state reset after allocation. A
-stage runs its micro-batches in order, each advancing the delayed-scaling histories once in
-forward and once in backward, which is the sequence one process accumulating the same
-micro-batches sees. Split backward defers FP8 weight-gradient GEMMs too (see
-`split_backward`). Checkpoints hold the scaling state by global module name, gathered over
-the pipeline ranks (`fp8_state_dict`). A DualPipe chunk's two copies each quantize half of
-the step's micro-batches; after the schedule they reduce their delayed-scaling state (history
-by elementwise max, scale by min: `sync_fp8_copies`), as TE reduces amaxes over the replicas
-of a tensor, so every step starts both copies from what the whole step saw and the one copy
-a checkpoint holds resumes both exactly. Within a step the copies still see only their own
-micro-batches, so delayed scaling under DualPipe is close to, not equal to, one process.
-
-Data parallelism under pp is done here rather than by DDP: a split backward accumulates
-weight gradients outside autograd's hooks, so the dp all-reduce (zero 0) or ZeRO-1's
-reduce-scatter (zero 1) runs once after the schedule, without overlap. Delayed FP8 scaling's
-histories are reduced over dp then too (`sync_fp8_replicas`, whole histories: each replica
-recorded all of the step's micro-batches), so dp replicas scale from their own micro-batches
-within a step, like DualPipe's copies, and start every step equal. FSDP (zero 3) with pp is
-not built.
+FP8: checkpoints hold the scaling state by global name, gathered over pp. DualPipe's two
+copies of a chunk, and dp replicas, reduce their delayed-scaling state after each step
+(`sync_fp8_copies`, `sync_fp8_replicas`), as TransformerEngine reduces amaxes over replicas;
+within a step each sees only its own micro-batches, so delayed scaling there is close to,
+not equal to, one process. Data parallelism under pp is reduced here after the schedule
+(all-reduce or ZeRO-1) rather than by DDP, since a split backward accumulates weight
+gradients outside autograd's hooks. FSDP with pp is not built.
 """
 
 from __future__ import annotations

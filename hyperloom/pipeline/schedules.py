@@ -1,10 +1,8 @@
 """Registry of schedule generators and `build_schedule`, which checks what each one needs.
 
-Every generator is a plain function of (pipeline size, [virtual stages,] micro-batches) that
-returns a compute-only `Schedule`; `comm.add_communication` derives the p2p actions. The
-constraints below are those of the published algorithms, stated with the numbers that break
-them so a user can fix the command line; `hyperloom.config.schedule_shape_problems` states
-them once, for the job's validation and for the generators (`basic.require_shape`):
+Each generator returns a compute-only `Schedule` of (pp, [vpp,] m); `comm.add_communication`
+adds the p2p. The published algorithms' constraints, stated once in
+`hyperloom.config.schedule_shape_problems`:
 
 ==============  =====  ===================================================================
 kind            vpp    micro-batches m

@@ -1,25 +1,18 @@
 """Time a schedule: lay per-action costs onto the IR and replay it event by event.
 
-This is the same replay as `validate` (each rank runs its list in order; an action starts when
-its rank is free and everything it depends on has finished, plus the p2p latency when that
-dependency lives on another rank), with durations from `Costs`. It returns the start and end
-of every action, which is what the plotter draws and what the planner sums, and per rank:
-busy time (compute only), bubble = makespan - busy, bubble fraction, peak activations.
+The same replay as `validate`, with durations from `Costs` and a p2p latency across ranks;
+it returns every action's start and end and per rank the busy time, bubble and peak
+activations. `Costs.f/b/w` are per micro-batch for one rank's whole share of layers (the
+papers' unit), divided among the chunks a rank holds, so every schedule does the same work
+and bubbles compare directly; `per_stage` substitutes measured times (the planner's path).
 
-Units. `Costs.f/b/w` are the per-micro-batch times of one rank's whole share of layers, the
-unit in which the papers state their bubbles. A stage costs that divided by the number of
-distinct layer chunks a rank holds: 1/v for interleaved 1F1B, 1/2 for ZB-V and DualPipeV,
-1 for DualPipe (its two stages per rank are two copies of 1/p of the model). So every schedule
-does the same work, 3m with F = B = W = 1, and their bubbles compare directly. `per_stage`
-replaces that with measured per-stage action times (the planner's path).
+Closed forms (`closed_form_bubble`), F = B = W per rank share, zero comm cost:
 
-Closed forms (`closed_form_bubble`), for F = B = W per rank share and zero comm cost:
-
-- GPipe, 1F1B: (p - 1)(F + B + W)               (Narayanan et al. arXiv 2104.04473 §2.2)
-- interleaved 1F1B: (p - 1)(F + B + W) / v, when m % p == 0            (same, §2.2.2)
-- ZB-H1: (p - 1)(F + B - W)                     (Qi et al. arXiv 2401.10241 §3.1)
-- DualPipe: (p/2 - 1)(F&B + B - 3W), with B the full backward and F&B the pair's time
-  (DeepSeek-V3 arXiv 2412.19437 Table 2); DualPipeV: the same over its 2p stages of half size.
+- GPipe, 1F1B: (p - 1)(F + B + W)                     (arXiv 2104.04473 §2.2)
+- interleaved 1F1B: (p - 1)(F + B + W) / v, m % p == 0     (same, §2.2.2)
+- ZB-H1: (p - 1)(F + B - W)                           (arXiv 2401.10241 §3.1)
+- DualPipe: (p/2 - 1)(F&B + B - 3W), B the full backward  (arXiv 2412.19437 Table 2);
+  DualPipeV the same over its 2p half-sized stages.
 """
 
 from __future__ import annotations

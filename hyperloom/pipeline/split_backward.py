@@ -1,30 +1,16 @@
 """Split backward: input gradients now (B), weight gradients later (W).
 
-Zero Bubble pipelines (Qi et al., arXiv 2401.10241 §2) split each stage's backward in two.
-B computes the gradient with respect to the stage input, which the previous stage waits
-for; W computes the weight gradients, which nobody waits for, so a schedule can move it into
-a bubble. For a linear layer y = x Wᵀ the split is exact: B needs ∂L/∂x = ∂L/∂y W, W needs
-∂L/∂W = (∂L/∂y)ᵀ x, and both only read tensors the forward saved.
+Zero Bubble (arXiv 2401.10241 §2) splits a stage's backward: B, the input gradient the
+previous stage waits for, and W, the weight gradients nobody waits for, which a schedule moves
+into bubbles. For y = x Wᵀ the split is exact: ∂L/∂x = ∂L/∂y W, ∂L/∂W = (∂L/∂y)ᵀ x.
 
-How it is done here. While a stage runs its forward under `DeferWeightGrads(store)`, every
-`F.linear` whose weight requires a gradient goes through `_DeferrableLinear` (a
-`TorchFunctionMode` catches the calls, so the model, the tensor-parallel layers and a tied
-output head need no change). Its backward always returns ∂L/∂x; if the store is collecting
-(the executor runs a B), it queues the weight-gradient product under the current (stage,
-micro-batch) key instead of returning it. W pops that key's queue and accumulates the products
-into `.grad`. Outside a collecting B (a full backward, BW) the layer behaves like `F.linear`.
-Parameters that are not linear weights (norms, embeddings), and linear weights that are not
-parameters themselves (an expert's slice of a stacked weight), get their gradients during B: they
-are cheap, which is also how Zero Bubble and DualPipe's `WeightGradStore` split the work.
-
-FP8 linears (`hyperloom.engine.fp8`) do not call `F.linear`; the mode also enters the FP8
-engine's `defer_weight_grads(store.put)`, so their weight-gradient GEMMs are queued the same
-way and run in FP8 at W, from the grad_output quantized in B (the FP8 scaling state advances
-in F and B only, never in W).
-
-The store is captured at forward time, not looked up in backward, because autograd may run
-backward on a different thread (one per device on GPUs) where a context variable set by the
-executor would not be visible.
+Under `DeferWeightGrads(store)` a `TorchFunctionMode` routes every `F.linear` with a trainable
+weight through `_DeferrableLinear` (the model and tensor-parallel layers need no change): during
+a collecting B it queues the weight-gradient product under the (stage, micro-batch) key, and W
+accumulates it into `.grad`. Norms, embeddings and expert slices of stacked weights get their
+gradients in B, as DualPipe's `WeightGradStore` does. FP8 linears defer their wgrad GEMMs
+through the engine's `defer_weight_grads`. The store is captured at forward time because
+autograd may run backward on another thread.
 """
 
 from __future__ import annotations

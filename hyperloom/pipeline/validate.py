@@ -1,33 +1,17 @@
 """Check that a schedule can run: every dependency met, no deadlock, bounded activations.
 
-The check is a symbolic replay. Each rank is a sequential program (its action list); an action
-may start once what it depends on has finished:
+A symbolic replay: each rank runs its list in order, and an action starts once its
+dependencies are done -- F(m, s) needs F(m, prev(s)); B/BW(m, s) need F(m, s) and the backward
+of (m, next(s)); W needs its B; an FB pair needs both halves' inputs. With communication
+actions, a cross-rank dependency must arrive through an earlier receive, receives wait for
+their send, and each rank pair's messages arrive in send order (`comm.py`). This is a Kahn
+process network, so whether the replay finishes does not depend on the interleaving: a stuck
+state is a real deadlock for any executor keeping the contract.
 
-- ``F(m, s)`` needs ``F(m, prev(s))`` (nothing at a pipe's first stage);
-- ``B(m, s)`` / ``BW(m, s)`` need ``F(m, s)`` and the backward of ``(m, next(s))`` (nothing at
-  a loss stage: the loss closes the forward);
-- ``W(m, s)`` needs ``B(m, s)``; an FB pair needs what both halves need, before either runs;
-- with communication actions present (`add_communication`), a dependency on another rank must
-  come through a receive on this rank that precedes the consumer; sends never block, a
-  receive waits for the matching send, and the messages from one rank to another must be
-  received in the order they were sent (see `comm.py` for why).
-
-Ranks run as far as they can, in any interleaving: this is a Kahn process network (sequential
-programs, monotone "done" facts, FIFO channels), so whether the replay finishes does not
-depend on the interleaving, and a state where no rank can move while work remains is a real
-deadlock for any executor that keeps the contract. A same-rank dependency that is not yet met
-is an ordering error, reported at once (the rank cannot wait for itself).
-
-Coverage: each (stage, micro-batch) of each pipe has exactly one F and either one B plus one
-W, or one BW (an FB pair counts as its F and its backward half).
-
-In-flight activations per rank: (stage, micro-batch) units whose F has run and whose B/BW has
-not. An FB pair adds its forward before its backward frees one, so the pair's peak counts
-both (this is where DualPipe's PP+1 comes from). Units whose B ran and whose W has not are
-counted separately (`peak_w_pending`): Zero Bubble keeps only the weight-gradient inputs
-alive for them (Qi et al. arXiv 2401.10241 §3: M_W < M_B).
-
-The same replay, given durations, is the timing engine of `simulate`.
+It also checks coverage (each unit has one F and one B + W, or one BW) and counts in-flight
+activations per rank (an FB pair counts its forward before its backward frees one: DualPipe's
+PP + 1), with B-done, W-pending units counted apart (`peak_w_pending`, Zero Bubble's
+M_W < M_B). Given durations, the same replay times `simulate`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """Zero Bubble schedules: ZB-H1 and ZB-V (Qi et al., arXiv 2401.10241; sail-sg/zero-bubble).
 
-The idea. A linear layer's backward is two products: the input gradient (B), which the
-previous stage is waiting for, and the weight gradient (W), which nobody downstream needs.
-Splitting them lets the critical path carry only B, and W becomes filler for the bubbles.
+Splitting a backward into B (which the previous stage waits for) and W (which nobody needs)
+keeps only B on the critical path; W fills the bubbles.
 
-ZB-H1 (paper §3.1, "handcrafted 1"). 1F1B's warm-up is kept (rank r runs p - r - 1 forwards
-first, so it holds at most p - r activations, exactly 1F1B's memory), then one forward and one
-B alternate; the difference is when W runs. Rank r defers its weight gradients by r steps: in
-steady state it runs W of micro-batch k - r after B of micro-batch k, and flushes the last
-r + 1 W's at the end. B's then travel back faster than in 1F1B, and the r extra W's fill the
-tail where rank r would wait for the cascade of the last backwards; every rank's bubble becomes
-(p - 1)(F + B - W) (for m >= p and W <= F, B), against 1F1B's (p - 1)(F + B + W).
-Deferred W's hold only the weight-gradient inputs (M_W < M_B), which `validate` counts
-separately as `peak_w_pending` (r + 1 on rank r).
+ZB-H1 (§3.1) keeps 1F1B's warm-up and memory and alternates F and B; rank r defers its W's by
+r steps (W of micro-batch k - r after B of k) and flushes the last r + 1 at the end, filling
+the tail where it would wait for the last backwards. The bubble becomes (p - 1)(F + B - W)
+(m >= p, W <= F, B) against 1F1B's (p - 1)(F + B + W); deferred W's hold only their inputs
+(`peak_w_pending`, r + 1 on rank r).
 
-ZB-V (paper §6 and the repo's V schedule; torch.distributed.pipelining's
-`ScheduleZBVZeroBubble`). The model is cut into 2p chunks placed as a V: rank r holds chunk r
-and chunk 2p-1-r, so a micro-batch goes down the ranks and comes back up, and both the input
-and the loss are on rank 0. With half-sized chunks, rank r's warm-up of 2(p - r) - 1 first-leg
-forwards is followed by r pairs (second-leg F, first-leg F) and p - r rounds of second-leg
-F, B, W; the steady state alternates (F, B, W) on the two legs; the cool-down drains B's, then
-W's. Its peak activation memory equals 1F1B's (2p half-chunks on rank 0) and, with
-F = B = W, its bubble is a small constant that does not grow with m.
-
-Both functions return compute-only schedules; `comm.add_communication` adds the p2p.
+ZB-V (§6; torch.distributed.pipelining's `ScheduleZBVZeroBubble`): 2p half-sized chunks in a
+V (rank r holds r and 2p-1-r), input and loss on rank 0. Warm-up of 2(p - r) - 1 first-leg
+forwards, r pairs (second-leg F, first-leg F), p - r rounds of second-leg F, B, W; then
+(F, B, W) alternating on both legs; then B's and W's drain. Peak memory equals 1F1B's and,
+with F = B = W, the bubble is a small constant independent of m. Both return compute-only
+schedules.
 """
 
 from __future__ import annotations

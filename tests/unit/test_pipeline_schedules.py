@@ -119,7 +119,8 @@ def _phase_iterations(actions, phase: int) -> int:
 
 
 def _published(H: int, h: int, c_minus_pp: int) -> list[int]:
-    # REFERENCE.md §3.5: nF0, nF0F1, nB1W1F1, nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW
+    # DualPipe's eight phase counts (deepseek-ai/DualPipe `dualpipe.py` `step`; arXiv 2412.19437
+    # §3.2.1): nF0, nF0F1, nB1W1F1, nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW
     return [
         2 * (H - h - 1),
         h + 1,

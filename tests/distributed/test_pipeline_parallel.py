@@ -42,10 +42,13 @@ def check(results: list[dict], cases: list[str]) -> None:
     assert [r["case"] for r in results] == cases
     bad = []
     for r in results:
-        worst = max(r["loss"] + [r["norm"][0]] + ([r["grad"]] if r["grad"] is not None else []))
-        # The second step's norm is looser: Adam's first update is ~lr * sign(g), so gradient
-        # elements at round-off level (~1e-12) may step either way in either run.
-        if worst > 1e-6 or r["norm"][1] > 1e-4:
+        worst = max([r["loss"][0], r["norm"][0]] + ([r["grad"]] if r["grad"] is not None else []))
+        # The second step is looser: Adam's first update is ~lr * sign(g), so gradient
+        # elements at round-off level (~1e-12) may step either way in either run. Tensor
+        # parallelism sums its partial products in another order than one device, and how
+        # much that moves step 2 depends on the CPU's kernels: every tp2 case's step-2 loss
+        # was 2.1e-6 apart on a 2-core AVX2 EPYC (first-step loss 9.8e-8, gradients 5e-7).
+        if worst > 1e-6 or r["loss"][1] > 1e-5 or r["norm"][1] > 1e-4:
             bad.append(r)
     assert not bad, json.dumps(bad, indent=1)
 

@@ -1,41 +1,15 @@
 """`hyperloom plan calibrate`: measure the machine at hand and save an accelerator profile.
 
-Datasheet peaks and assumed efficiencies (`hardware.py`) are where a plan starts; measured
-numbers are where it should end. This module measures, on the local device (`auto`: the
-first accelerator PyTorch sees, else the CPU), each kernel family in the form a training step
-runs it -- not a microbenchmark's best case:
-
-- GEMMs by shape (tokens x width, the shapes of transformer layers), in the compute dtype,
-  each in its three training forms (forward ``x wᵀ``, data gradient ``g w``, weight gradient
-  ``gᵀ x``), the median of several runs each. The best shape becomes the profile's peak
-  (``gemm_eff`` = 1) and every shape its efficiency relative to it, stored in
-  ``gemm_table``; the planner then looks up the nearest measured shape;
-- device-memory bandwidth, as a large tensor copy (read + write), so ``mem_eff`` = 1;
-- activation elementwise kernels: the runtime's own fused operators (`engine.ops`: RMSNorm
-  with the residual add, SwiGLU, RoPE, and a plain residual add), forward + backward on a
-  layer-sized input, timed against the bytes the planner's layer model counts for them
-  (`model.build_layer`), giving ``elementwise_eff`` relative to the copy. They allocate
-  fresh outputs and compute transcendentals, so on a CPU they reach a fraction of a copy's
-  bandwidth;
-- the host's fixed cost per transformer layer (`measure_layer_overhead`: Python, dispatcher,
-  autograd, launches), as ``layer_overhead_s``;
-- attention: `scaled_dot_product_attention` (causal) forward and forward + backward at a
-  few sequence lengths (same tokens each), as fractions of the GEMM peak on their causal
-  FLOPs, in ``attn_table`` (flash kernels speed up with longer rows);
-- on CPU, what a training process keeps resident beyond its live tensors: our trainer on a
-  small job at two micro-batch sizes in fresh processes, peak RSS against glibc's live
-  bytes, as a fixed amount (``host_runtime_bytes``) plus a share of what a step allocates
-  and frees (``host_churn_factor``; `host_memory.py`);
-- collectives (unless `collectives=False`): all-reduce over the local devices (or 2 CPU
-  processes on gloo), fitted to the ring model ``t = 2(n-1) alpha + 2(n-1)/n * S / B`` by
-  least squares, giving the scale-up bandwidth B and per-step latency alpha; on CPU also
-  what a call waits for the other ranks when they compute between calls
-  (``collective_wait_us``). One machine has
-  no scale-out link to measure, so the profile's NIC figures copy the scale-up ones: state
-  the real NIC with --inter-gbs when planning across machines.
-
-The profile is the same `HardwareProfile` dataclass as the built-ins, saved as JSON with the raw
-measurements alongside; `--accelerator path.json` uses it.
+Each kernel family is measured in the form a training step runs it, not a microbenchmark's
+best case: GEMMs by transformer shape in their three training forms (the best becomes the
+peak, the rest ``gemm_table``); memory bandwidth as a large copy; the runtime's fused
+elementwise operators against the bytes `model.build_layer` counts (``elementwise_eff``); the
+host's fixed cost per layer; causal SDPA at a few sequence lengths (``attn_table``); on CPU a
+training process's resident bytes beyond its live tensors (`host_memory.py`); and unless
+`collectives=False`, all-reduces fitted to the ring model for bandwidth and latency (plus, on
+CPU, the wait for peers). One machine has no scale-out link, so NIC figures copy the scale-up
+ones: give the real NIC with --inter-gbs. The profile is a `HardwareProfile` saved as JSON
+with the raw measurements; `--accelerator path.json` uses it.
 """
 
 from __future__ import annotations

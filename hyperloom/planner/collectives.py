@@ -1,44 +1,25 @@
 """Collective communication times: the alpha-beta ring model, per topology level.
 
-Each collective over a group of n ranks moving a full buffer of S bytes costs, on a ring
-(nccl-tests `doc/PERFORMANCE.md`):
+For n ranks and a full buffer of S bytes (nccl-tests `doc/PERFORMANCE.md`):
 
-    all-reduce                      2(n-1) alpha + 2 (n-1)/n * S / B
-    all-gather, reduce-scatter,     (n-1) alpha  +   (n-1)/n * S / B
-    all-to-all
-    point-to-point                  alpha + S / B
+    all-reduce                                  2(n-1) alpha + 2 (n-1)/n * S / B
+    all-gather, reduce-scatter, all-to-all      (n-1) alpha  +   (n-1)/n * S / B
+    point-to-point                              alpha + S / B
 
-B is the *bus bandwidth* a rank reaches on the group's slowest link (the datasheet figure
-times the link's efficiency) and alpha the latency of one ring step. This is SimuMax's
-calibrated form ``S*scale*(1+offset/n)/(B*eff) + alpha*scale*(n+offset) + fixed`` with
-(scale, offset) = (2, -1) for all-reduce, (1, -1) for gathers, scatters and all-to-all. The
-per-call ``fixed`` cost inside a node is the profile's ``collective_wait_us``: what a blocking
-collective of CPU ranks waits for its peers when they compute between calls (measured by
-`calibrate`; 0 on devices, whose collectives run on streams).
+B is the bus bandwidth on the group's slowest link (datasheet x efficiency), alpha one ring
+step's latency; this is SimuMax's calibrated form. On CPU a blocking collective also waits
+``collective_wait_us`` for peers that compute between calls (measured by `calibrate`).
 
-Which link a group uses follows from the rank order of the mesh (`ParallelConfig.order`,
-outermost first, default ``pp,dp,cp,tp``): a dimension's *stride* is the product of the
-sizes inside it. A group whose ranks all sit in one node (``size * stride <= gpus/node``) runs
-on the scale-up fabric (NVLink, xGMI, MTLink). A group that spans nodes is limited by the
-NICs, and the NICs of a node are shared by every group of that dimension that runs at the
-same moment: with ``r`` members of the group on each node, ``gpus/node / r`` groups share the
-node's ``gpus/node`` NICs, so each group's ring gets ``r`` NICs' worth of bandwidth (SimuMax
-divides inter-node DP bandwidth by min(8, tp*cp), which is the same rule). Pipeline
-point-to-point across nodes gets one NIC.
+The link follows the mesh's rank order (default ``pp,dp,cp,tp``): a group inside one node runs
+on the scale-up fabric; one spanning nodes with r members per node gets r NICs' worth of
+bandwidth (the node's NICs are shared by the groups of that dimension, as SimuMax divides
+inter-node DP bandwidth by min(8, tp*cp)). Pipeline p2p across nodes gets one NIC.
 
-Expert parallelism's all-to-all (`AllToAll`, built by `all_to_all_cost`). S is the per-rank
-send buffer (the routed copies of the rank's tokens); with balanced routing a share 1/n of it
-stays on the rank. Within a node it is the ring form above, ``(n-1) alpha + (n-1)/n S/B``.
-Across k nodes with r = n/k group members per node, the (k-1)/k of S bound for other nodes
-leaves through the rank's own NIC while the on-node share ``S/k * (r-1)/r`` crosses the
-scale-up fabric; the two run at once, so the time is the larger one plus ``(n-1)`` inter-node
-latencies. Group-limited routing changes what crosses the network only when the dispatcher
-sends a token once per destination node (DeepSeek-V3 §3.2.2, DeepEP; ``dedup``): a token
-routed to at most M of the k nodes then sends ``M (k-1)/k`` copies over the network instead of
-``top_k (k-1)/k`` (or, without a node limit, the expected number of distinct remote nodes
-among top_k uniformly chosen), and the scale-up fabric forwards every copy inside the
-destination node. A plain all-to-all with variable splits (hyperloom, Megatron's alltoall
-dispatcher) sends every copy, whatever the node limit.
+Expert all-to-all across k nodes (`all_to_all_cost`): the (k-1)/k of the send buffer bound for
+other nodes leaves through the rank's NIC while the on-node share crosses the scale-up fabric,
+concurrently. With once-per-node dispatch (DeepSeek-V3 §3.2.2, DeepEP; ``dedup``) a token
+limited to M nodes sends M (k-1)/k network copies instead of top_k (k-1)/k; a plain
+variable-split all-to-all (hyperloom, Megatron) sends every copy.
 """
 
 from __future__ import annotations

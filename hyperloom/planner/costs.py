@@ -1,47 +1,27 @@
 """Seconds: per-layer and per-stage F/B/W times, data-parallel sync and the optimizer step.
 
-Compute is a roofline per op (`hardware.HardwareProfile`): each GEMM at the BF16 (or FP8) peak
-times its shape's efficiency, or at memory speed if its operands dominate; the attention core
-at the flash-attention efficiency on its causal FLOPs (the unfused 2022 form as two batched
-GEMMs plus softmax traffic); norms, RoPE, activations and residual adds as bytes over the
-achievable HBM bandwidth. The three backward parts follow Zero Bubble's split (Qi et al.
-arXiv 2401.10241): B, the input gradient, costs the dgrad GEMMs, 2.5x the flash forward
-(five score-sized matmuls against two) and twice the elementwise traffic; W, the weight
-gradient, costs the wgrad GEMMs. Schedules without a split run B + W as one BW.
+Compute is a roofline per op (`hardware.HardwareProfile`): GEMMs at the BF16 (or FP8) peak
+times their shape's efficiency, or at memory speed if bytes dominate; the attention core at
+flash efficiency on its causal FLOPs (the 2022 unfused form as two GEMMs plus softmax
+traffic); elementwise kernels as bytes over HBM. The backward follows Zero Bubble's split
+(arXiv 2401.10241): B = dgrad GEMMs, 2.5x the flash forward and twice the elementwise
+traffic; W = wgrad GEMMs; BW = both. Recomputation adds what it re-runs to B.
 
-Recomputation adds to B what it re-runs: the whole forward (collectives included) for
-``full``, the attention core, the activation function or the norms for the modules named.
+Communication per layer and micro-batch (`collectives.py`), each exposed as
+comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
 
-Communication, per layer and micro-batch (`collectives.py` for the link and the formula):
+- TP: two all-reduces each way, or with SP two all-gathers plus two reduce-scatters (and two
+  re-gathers for wgrad when inputs are saved sharded);
+- CP: K and V all-gathered forward, gathered and reduce-scattered backward;
+- ZeRO-3: each layer's parameters gathered (BF16) forward and backward;
+- EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
+  (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
+  gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside DualPipe's FB
+  pairs (`dualpipe_ep_overlap`).
 
-- tensor parallel: two all-reduces of the b*s*h hidden state forward and two backward, or
-  with sequence parallelism two all-gathers plus two reduce-scatters each way, and, where
-  inputs are saved sharded, two more all-gathers for the weight gradient. The runtime hides
-  ``tp_overlap`` of them behind the GEMMs of the same pass: exposed = comm - eta*min(comm,
-  gemm).
-- context parallel: K and V all-gathered forward; gathered again and their gradients
-  reduce-scattered backward, hidden behind the attention core (``cp_overlap``).
-- ZeRO-3: each layer's parameters all-gathered (BF16) forward and backward, per micro-batch,
-  hidden behind that layer's compute (``fsdp_overlap``).
-- expert parallel (ep > 1, MoE layers): per layer and micro-batch two all-to-alls forward
-  (dispatch, combine) and two backward, each moving the rank's routed copies, tokens x top_k
-  x dim BF16 elements (`model.Layer.dispatch_bytes`), times `moe_imbalance` (the busiest
-  receiver sets the pace), on the expert-parallel group's link (`collectives.all_to_all_cost`:
-  inside a node, or across nodes through each rank's NIC); the runtime may send the dispatch
-  in FP8 (`Runtime.fp8_dispatch`). The all-gather dispatcher (`parallel/expert_parallel.py`)
-  instead all-gathers the whole group's routed rows (ep x the rank's, padded to the longest:
-  every rank sends exactly tokens x top_k) and reduce-scatters the outputs, each way. With tp > 1 each tensor-parallel rank
-  dispatches its 1/tp share and the expert's tp group all-gathers and reduce-scatters the
-  routed rows around the expert GEMMs. Neither built-in runtime overlaps any of it
-  (``ep_overlap`` 0); under DualPipe `fb_overlap` hides ``dualpipe_ep_overlap`` of it inside
-  the overlapped forward-and-backward pairs.
-
-Per step, after each rank's last backward (`dp_sync`): the gradient all-reduce (zero 0) or
-reduce-scatter plus parameter all-gather (zero 1) or the FSDP reduce-scatter (zero 3), minus
-what the runtime overlaps with the last backward / next forward (the last bucket is always
-exposed); then the optimizer, Adam as memory traffic over the rank's (sharded) state. With
-ep > 1 a rank holds 1/ep of the routed experts, and their gradients go over the
-expert-data-parallel group (dp * cp / ep ranks, on its own link) after the others.
+Per step (`dp_sync`): the dp gradient reduction per ZeRO mode, minus what the runtime overlaps
+(the last bucket always exposed), expert gradients over their own group, then Adam as memory
+traffic over the rank's state.
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
 """Hardware profiles and clusters: the hardware numbers every planner cost is made of.
 
-A `HardwareProfile` is data, not a device (devices are `hyperloom.accelerator`'s): the
-datasheet peaks of one accelerator and of the links of the system it usually ships in (an
-8-GPU node with a scale-up fabric, one scale-out NIC per GPU), and the *efficiency factors*
-that turn a peak into what software reaches. The planner never uses a
-peak alone: a GEMM runs at ``peak * gemm_eff * shape factor``, a memory-bound kernel at
-``hbm * mem_eff``, a collective at ``link * link_eff``. `hyperloom plan calibrate` replaces
-the factors (and the peaks it can measure) with numbers measured on the machine at hand and
-saves the result as JSON, which `load_profile` reads back.
+A `HardwareProfile` is data: datasheet peaks of one accelerator and its usual node's links,
+and efficiency factors that turn a peak into what software reaches (a GEMM runs at
+``peak * gemm_eff * shape factor``, a memory-bound kernel at ``hbm * mem_eff``, a collective
+at ``link * link_eff``). `hyperloom plan calibrate` measures these on the machine at hand and
+saves them as JSON (`load_profile`).
 
-Where the numbers come from (each profile's ``source`` repeats this):
+Sources (each profile's ``source`` repeats them): vendor datasheets for peaks (dense, i.e.
+2:4-sparsity headlines halved), memory (as the device reports it, GiB) and links (per GPU, per
+direction); ``gemm_eff`` from stas00/ml-engineering's MAMF table; ``fp8_speedup`` 1.55 from
+TransformerEngine's H200 GEMMs; flash-attention, ``mem_eff`` and link efficiencies are our
+stated assumptions (FlashAttention-2/3 papers as guides), which is what `calibrate` is for.
+The table is in docs/planner.md.
 
-- Peaks, memory and links: the vendors' datasheets (NVIDIA H100/H200/A100 Tensor Core GPU
-  and DGX H100/A100/B200 datasheets; AMD Instinct MI300X datasheet; Moore Threads MTT S4000
-  product page). BF16/FP8 figures are *dense* (the datasheets' headline numbers with 2:4
-  sparsity are halved). Scale-up bandwidth is per GPU and per direction (NVLink 4's
-  "900 GB/s" is bidirectional, so 450 GB/s each way). Memory sizes are what the device
-  reports, in GiB (an "80GB" H100 or A100 shows 80 GiB; "141GB" H200 about 140 GiB).
-- ``gemm_eff``: the measured maximum achievable matmul FLOPS (MAMF, BF16, best shape)
-  divided by the peak, from stas00/ml-engineering's MAMF table (`compute/accelerator`):
-  A100 SXM 267.9/312, H100 SXM 792.1/989, H100/H200 794.5/989, B200 1745/2250, MI300X
-  781.9/1300. S4000 has no public MAMF: 0.6 is a placeholder until calibrated.
-- ``fp8_speedup``: TransformerEngine FP8 GEMMs run 1.41-1.69x faster than BF16 on H200;
-  we take the middle, 1.55, for Hopper and Blackwell.
-- ``attn_fwd_eff``/``attn_bwd_eff``: flash attention's share of peak at head dim 128 and long
-  causal sequences. FlashAttention-2 (arXiv 2307.08691) reports 50-73% forward and less
-  backward on A100; FlashAttention-3 (arXiv 2407.08608) 600-740 TFLOP/s forward on H100.
-  0.6 forward / 0.45 backward on NVIDIA parts and 0.4/0.3 elsewhere are our rounded
-  assumptions, not measurements.
-- ``mem_eff`` 0.8 of HBM bandwidth and the link efficiencies (0.8 NVLink, 0.9 InfiniBand)
-  are typical of STREAM-like copies and of nccl-tests bus bandwidth; assumptions again, which
-  is exactly what `calibrate` is for. Latencies are per ring step.
-
-The GEMM shape factor: large GEMMs reach MAMF, small or skinny ones do not (tile and wave
-quantisation, pipeline fill). We model ``eff = gemm_eff * g(min(m, n, k))`` with
-``g(d) = (d / (d + d_half)) / (d_ref / (d_ref + d_half))`` capped at 1 (``d_ref`` = 2048,
-``d_half`` = 128), under a memory roofline. A calibrated profile carries a table of measured
-(m, n, k) -> efficiency and uses the nearest measured shape instead.
+GEMM shape factor: ``eff = gemm_eff * g(min(m, n, k))``, ``g(d) = (d / (d + 128)) /
+(2048 / (2048 + 128))`` capped at 1, under a memory roofline; a calibrated profile looks up
+its nearest measured shape instead.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """What a CPU process keeps resident beyond the bytes its tensors hold, and how it is fitted.
 
-On a GPU the planner predicts allocated bytes, and the caching allocator's reserve is the
-`ALLOC_FACTOR` in `memory.py`. A CPU job is measured as resident set size (the self-check's
-peak RSS), and there two things sit above the live tensors:
-
-- what a training process holds whatever the job's size: the compiled kernels' code and heap
-  and the compiler's Python objects (pymalloc arenas, not malloc chunks);
-- what glibc's malloc keeps of freed chunks: a training step frees and re-allocates its
-  activations in a different order every pass, and the pages of freed heap chunks stay
-  resident until the heap top can be trimmed.
-
-So resident - live = fixed + churn x churned, where churned is what a step allocates and
-frees (its live peak less the live bytes between steps). `fit_runtime_memory` draws that line
-through two training runs at `RUNTIME_BATCHES`, which hold the same states and differ in
-what they churn (a fit of resident = fixed + factor x live is ill-conditioned: the two runs'
-live bytes are too close). The runs come from the trainer's side (`train.probe`, handed to
-`calibrate`); `hyperloom plan calibrate` stores the fit as ``host_runtime_bytes`` and
-``host_churn_factor``, which `memory.rank_memory` adds to a rank's live peak. Built-in GPU
-profiles keep 0.
-
-This module also holds the measuring helpers that need no trainer: glibc's live bytes
-(``mallinfo2``), a thread that polls them, and a fresh interpreter to measure in.
+On a CPU a job is measured as resident set size, and above the live tensors sit a fixed part
+(compiled kernels, the compiler's Python objects) and the pages glibc's malloc keeps of freed
+chunks. So resident - live = fixed + churn x churned, churned being what a step allocates and
+frees. `fit_runtime_memory` draws that line through two training runs at `RUNTIME_BATCHES`
+handed over by the trainer (`train.probe`); `plan calibrate` stores it as
+``host_runtime_bytes`` and ``host_churn_factor``. Also here: glibc's live bytes
+(``mallinfo2``), a polling thread, and a fresh interpreter to measure in.
 """
 
 from __future__ import annotations

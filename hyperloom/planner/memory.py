@@ -1,57 +1,29 @@
 """Bytes per rank: model states, activations in flight, buffers, allocator headroom.
 
-Model states (Rajbhandari et al. arXiv 1910.02054). With p bytes per
-parameter as stored, g per gradient and o for the optimizer (Adam's two FP32 moments, 8, plus
-a 4-byte FP32 master when the parameter itself is not that master):
+Model states (ZeRO, arXiv 1910.02054), with p, g, o bytes per parameter for the stored
+parameter, gradient and optimizer state (Adam's moments, plus an FP32 master if the parameter
+is not one) and P the parameters a rank holds:
 
     zero 0:  P * (p + g + o)        zero 1:  P * (p + g) + P * o / dp
     zero 3:  P * (p + g + o) / dp   (FSDP2 under no_sync keeps P * g unsharded)
 
-where P is the parameters a rank holds: its chunks' layers over tp plus the embedding (first
-chunk) and head (last chunk) shares. hyperloom stores FP32 params (p = 4, master = the
-param; ZeRO-1 keeps its own FP32 master slice), so 16, 8 + 12/dp and 16/dp B/param;
-Megatron's BF16 params with FP32 main grads give 18, 6 + 12/dp and 18/dp. Under expert
-parallelism P counts 1/ep of the routed experts, and their sharded states divide by the
-expert-data-parallel size dp * cp / ep instead of dp.
+Routed experts count 1/ep, their sharded states over dp * cp / ep.
 
-Activations (Korthikanti et al. arXiv 2205.05198; `model.build_layer` lists the tensors):
-one chunk of n layers for one micro-batch keeps n x (the layer's saved bytes under the
-recompute policy) plus its chunk extras (the head's input and FP32 logits on the last chunk).
-How many such units a rank holds at its peak is *read from the schedule*: the replay in
-`pipeline.validate` counts, per rank, the (stage, micro-batch) pairs whose forward has run and
-whose backward has not (1F1B's rank 0 holds p; interleaving adds (p-1)/v chunks;
-Zero Bubble's deferred W keeps only the weight-gradient inputs of `peak_w_pending` units).
-So the (p - 1)/(pv) interleaving factor and the m/p correction for m < p come out of the
-schedule rather than out of a formula.
+Activations (arXiv 2205.05198; `model.build_layer` lists the tensors): a chunk's saved bytes
+per micro-batch under the recompute policy, times the peak in-flight (stage, micro-batch)
+units read from the schedule replay (`pipeline.validate`), plus Zero Bubble's W-pending
+units at their weight-gradient inputs -- so interleaving's (p - 1)/(pv) and the m < p case
+come out of the schedule, not a formula.
 
-On top: the transient working set of one backward (a recomputed layer, or the last chunk's
-logits and their gradient), autocast's BF16 weight copies (hyperloom), FP8 weight copies (one
-byte per weight, row- and column-wise), DDP's bucket copy of the gradients where the runtime
-keeps one (``ddp_bucket_copy``), ZeRO-1's FP32 gradient copy where its parameters are not
-FP32 (it flattens them; FP32 gradients are views of its buffer already), FSDP's gathered
-layers; under expert parallelism one MoE layer's dispatch buffers (the all-to-all's send and
-receive buffers of the routed copies, or the all-gather dispatcher's gathered rows and
-pre-scatter outputs). The allocator reserves about peak / 0.94 (SimuMax's ``mem_factor``),
-and a plan must leave a margin (6 GiB by default) for the CUDA context and
-NCCL.
+On top: one backward's transient working set, autocast and FP8 weight copies, DDP's bucket
+copy or ZeRO-1's gradient copy where the runtime makes one, FSDP's gathered layers, expert
+dispatch buffers. Reserved = peak / 0.94 (SimuMax's ``mem_factor``), and a plan keeps a
+margin (6 GiB) for the context and NCCL. A CPU profile's ``host_runtime_bytes`` and
+``host_churn_factor`` (`host_memory.py`) turn live bytes into resident bytes.
 
-One runtime fact applies where the `Runtime` says so (`strategy.job_runtime`, the training
-self-check's runtime): the fused, chunked cross-entropy, which saves no logits but keeps the
-FP32 input and weight gradients its forward formed (`chunk_activation_extras`) and works in
-one chunk of logits (`ce_working_bytes`). A CPU profile's ``host_runtime_bytes`` and ``host_churn_factor``
-(measured by `plan calibrate`, `host_memory.py`) turn the live peak into resident bytes: a
-fixed amount per process plus a share of what each step allocates and frees.
-`Memory.allocator` is the difference, 0 on devices.
-
-Gradients at the activation peak (`grads_at_peak`): Megatron keeps persistent FP32 gradient
-buffers, so all of them count. hyperloom's trainer sets them to None after every step, and
-a rank reaches its peak at the start of its first backward: a single micro-batch, or a
-pipeline schedule's warm-up, which fills the in-flight units before the rank's first
-backward. So only the gradients the forward formed (the fused loss's head gradient) count,
-unless something holds all of them: DDP's bucket views, ZeRO-1's flat buffer, or
-accumulation over micro-batches without a pipeline. The step's own peak (`step_peak`) counts
-all of them either way. `benchmarks/planner_memory_probe.py` holds this against glibc's
-live bytes polled through a step (docs/planner.md section 4).
+`grads_at_peak`: Megatron's gradient buffers are persistent; hyperloom frees gradients after
+each step and a rank peaks at its first backward, so only what holds them (DDP views, ZeRO-1's
+flat buffer, accumulation without a pipeline) counts them; `step_peak` counts all.
 """
 
 from __future__ import annotations

@@ -1,37 +1,20 @@
 """What one transformer layer does on one rank: GEMMs, attention, memory traffic, saved tensors.
 
-The planner sees a model as a `ModelSpec` (a job's `ModelConfig`) and a layer as a `Layer`: the list of
-GEMMs with their per-rank shapes, the attention core's FLOPs, the bytes that memory-bound
-kernels move, the tensors autograd keeps for the backward (each tagged with the recompute
-*module* that can drop it), and the buffers the tensor- and context-parallel collectives
-move. `costs.py` turns a `Layer` into seconds and `memory.py` into bytes, so the two can
-never disagree about a shape.
+A `ModelSpec` (from a job's `ModelConfig`) yields a `Layer`: per-rank GEMM shapes, attention
+FLOPs, bytes moved by memory-bound kernels, tensors saved for backward (each tagged with the
+recompute module that drops it) and collective buffers. `costs.py` and `memory.py` both read
+it, so they never disagree about a shape.
 
-Saved tensors follow Korthikanti et al. (arXiv 2205.05198 §4), bytes for one micro-batch of
-b sequences of s tokens with hidden size h on one of t tensor-parallel ranks (2 bytes per
-16-bit element, 1 per dropout-mask element). For GPT (GeLU MLP of 4h, LayerNorm, dropout,
-no flash attention) the list sums to their sbh(10 + 24/t + 5as/(ht)) without sequence
-parallelism and sbh(34 + 5as/h)/t with it; "selective" recomputation of the attention core
-leaves 34sbh/t and full recomputation keeps only the layer input, 2sbh (/t with SP). For a
-Llama layer (SwiGLU of width f, RMSNorm, grouped-query attention with q/kv widths, flash
-attention, no dropout) the same bookkeeping gives, with SP,
+Saved tensors follow Korthikanti et al. (arXiv 2205.05198 §4). For GPT the list sums to their
+sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34 + 5as/h)/t with it; for a Llama layer with SP
 
     sb[8h + 4q + 4kv + 6f]/t + 4sb*heads/t (the flash log-sum-exp, fp32),
 
-which is 33.5sbh/t for Llama 3 70B. With qk-norm (`model.qk_norm`) the per-head norms also
-keep their inputs and one fp32 1/rms per head row: 2sb(q + kv)/t + 4sb(heads + kv heads)/t.
-Under sequence parallelism Megatron stores the
-column-parallel linears' inputs sharded and all-gathers them again for the weight gradient;
-hyperloom's runtime stores the gathered input (`sharded_save=False`), which costs 2sbh per
-linear input instead of 2sbh/t.
-
-Recompute modules (`RECOMPUTE_MODULES`): ``core_attn`` (softmax/dropout intermediates, or the
-flash log-sum-exp), ``mlp_act`` (the activation output that feeds the second MLP GEMM),
-``norm`` (norm outputs that feed the first GEMM of each block); ``full`` keeps only the layer
-input. The DeepSeek family (MoE, MLA, MTP) is one mean layer (`_build_deepseek_layer`);
-under expert parallelism it also carries the bytes one token dispatch moves
-(`Layer.dispatch_bytes`), which `costs.py` turns into all-to-all time and `memory.py` into
-buffers.
+33.5sbh/t for Llama 3 70B, plus 2sb(q + kv)/t + 4sb(heads + kv heads)/t with qk-norm.
+hyperloom's runtime saves SP's gathered linear inputs (`sharded_save=False`), 2sbh per input
+instead of Megatron's 2sbh/t. Recompute modules: ``core_attn``, ``mlp_act``, ``norm``;
+``full`` keeps only the layer input. The DeepSeek family is one mean layer
+(`_build_deepseek_layer`) that also carries the bytes of one expert dispatch.
 """
 
 from __future__ import annotations

@@ -1,50 +1,11 @@
 """Published data points the planner is validated against, and the comparison itself.
 
-Three sources, each reproduced here as data with what we had to assume stated beside it:
-
-1. Megatron-LM's H100 weak-scaling table (NVIDIA/Megatron-LM README, `images/model_table.png`):
-   GPT models of 1.7B-462B parameters, vocabulary 131,072, sequence 4096, the README's
-   attention heads / hidden size / layers / TP / PP / DP / batch per row, and the measured
-   TFLOP/s per GPU (MFU against 989 TFLOP/s). GPT layers are LayerNorm + GeLU MLP of 4h with
-   biases and untied embeddings (the parameter counts confirm it: 24 x 12 x 2048^2 + 2 x
-   131072 x 2048 = 1.75B). Assumed: micro-batch 1, plain 1F1B (no interleaving), no
-   recomputation, sequence parallelism whenever tp > 1, the distributed optimizer
-   (`--overlap-grad-reduce --overlap-param-gather` per the README), TransformerEngine flash
-   attention, no dropout.
-2. Korthikanti et al. 2022 (arXiv 2205.05198), A100 80GB (Selene: 8 GPUs and 8 HDR NICs per
-   node), GPT with vocabulary 51,200, sequence 2048, TP 8: Table 5 iteration times for full
-   recomputation (without sequence parallelism) and for sequence parallelism + selective
-   recomputation; Figure 1 memory per GPU. Shapes from their Table 3. Assumed: micro-batch 4
-   for 22B (its global batch is 4, and Figure 1's activation bars equal 34sbh/t x L only for
-   b = 4), micro-batch 1 elsewhere; the interleaved schedule with 3 chunks per rank for 175B
-   and 530B (Figure 1's bars equal the formula times 1 + (p-1)/(pv) only for v = 3) and plain
-   1F1B for 1T; dropout on, no flash attention, no communication overlap (2022).
-3. Llama 3 405B (arXiv 2407.21783 Table 4): 126 layers, h 16384, FFN 53248, 128 heads / 8 KV
-   heads, vocabulary 128,256, 16M tokens per batch, on H100 at TP/CP/PP/DP of 8/1/16/64 (seq
-   8192, 43% MFU), 8/1/16/128 (41%) and 8/16/16/8 (seq 131072, 38%). Assumed: micro-batch 1,
-   interleaved 1F1B with 2 chunks per rank (the paper uses an interleaved schedule and
-   removes a layer from the first and the last stage), ZeRO-1 with Megatron-style overlap,
-   and the lightest recomputation that fits in 80 GB.
-4. DeepSeek-V3 (arXiv 2412.19437): 2.788M H800 GPU-hours for 14.8T tokens (2.664M of them
-   pre-training; we use the whole figure, as quoted), 2048 H800s, sequence 4096, batch up to
-   15,360 sequences. Derived MFU = 14.8e12 x 291.85 GFLOP per token (our accounting:
-   activated parameters, MTP and full attention) / (2.788e6 x 3600 s x 989.4 TFLOP/s) =
-   0.435 (0.455 on the pre-training hours alone). Their layout (§3.2): EP 64 over 8 nodes,
-   PP 16 with DualPipe, ZeRO-1 data parallelism (dp 128), no TP, FP8 GEMMs. Assumed: the
-   full batch of 15,360 sequences (the ramp from 3,072 over the first 469B tokens is
-   ignored), micro-batch 1 (120 micro-batches per step), recomputation of the norms and the
-   SwiGLU activation (`norm,mlp_act`: §3.2.3 recomputes RMSNorm and the MLA up-projections,
-   and caches the SwiGLU input), the h100 profile with H800's NVLink (400 GB/s both ways,
-   200 one way; NICs 400 Gb/s per GPU as on H100), the `megatron` runtime's storage and
-   overlap, and `moe_imbalance` 1.25 (no published figure). Three descriptions of the
-   all-to-all, from the plain one to DeepSeek's own (each stated in its row): a plain
-   all-to-all (every routed copy crosses the network, BF16, not overlapped: what hyperloom
-   and Megatron's alltoall dispatcher do); DeepSeek's dispatch (§3.2.2: a token reaches at
-   most 4 nodes and crosses the network once per node, FP8 dispatch, BF16 combine), still
-   not overlapped; and that dispatch hidden entirely inside DualPipe's overlapped
-   forward-and-backward pairs (§3.2.1 reports it "fully overlapped"). The 20 SMs DeepSeek
-   reserves for communication (of 132) are not charged to compute. The ep = 1 row is the
-   closest layout without expert parallelism (TP 8, PP 16, DP 16, 1F1B, full recompute).
+Megatron-LM's H100 weak-scaling table (its README), Korthikanti et al. 2022 on A100 (arXiv
+2205.05198 Table 5, Figure 1), Llama 3 405B on H100 (arXiv 2407.21783 Table 4) and
+DeepSeek-V3 on H800 (arXiv 2412.19437, MFU derived from its GPU-hours), each as data. What
+we had to assume for each (micro-batch, schedule, recompute, runtime, overlap) and the
+resulting errors are in docs/planner.md, "Validation"; `python -m hyperloom.planner.published`
+reproduces its tables.
 """
 
 from __future__ import annotations
@@ -258,7 +219,7 @@ def llama3_405b(
 DEEPSEEK_V3_MFU = 14.8e12 * 291_847_274_496 / (2.788e6 * 3600 * 989.4e12)  # 0.435
 
 
-# DeepSeek-V3's layout (docstring item 4) and the runtimes its all-to-all is costed under.
+# DeepSeek-V3's layout (docs/planner.md, Validation 5) and the runtimes its all-to-all is costed under.
 DEEPSEEK_V3_LAYOUT = Strategy(
     tp=1,
     pp=16,

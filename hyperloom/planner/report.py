@@ -1,16 +1,8 @@
 """Planner output: rich tables, JSON, and three pictures.
 
-- `plans_table`: one row per plan (the search's top-k, or the one predicted layout): layout,
-  schedule, recompute, step time, tokens/s, MFU, bubble, peak and reserved memory.
-- `breakdown_table`: where one plan's step goes (compute, recompute, exposed TP/CP/ZeRO-3
-  communication, pipeline bubble, exposed data-parallel sync, optimizer) and its memory by
-  component on each pipeline rank.
-- `write_json`: the query, the search statistics and every plan's `Plan.to_dict()`.
-- `plot_memory`: stacked bars of memory per pipeline rank against the usable capacity.
-- `plot_timeline`: the pipeline timeline of a plan, drawn by `pipeline.plot_timeline` from the
-  replay of the schedule the executor runs (at a reduced micro-batch count when the plan has
-  more than fit in a picture).
-- `plot_top`: the top-k chart, MFU bars with peak memory beside them.
+`plans_table` (one row per plan), `breakdown_table` (where one plan's step time and memory
+go), `write_json`, and the plots `plot_memory` (per pipeline rank against capacity),
+`plot_timeline` (the replayed schedule) and `plot_top` (the search's top-k).
 """
 
 from __future__ import annotations

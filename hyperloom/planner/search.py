@@ -1,27 +1,12 @@
 """Search the parallel strategy space for the fastest layouts that fit in memory.
 
-The space is the product of tp, cp, pp (dp is what the GPU count leaves), ep for MoE models
-(every divisor of dp * cp that divides the routed experts, since experts fold over data x
-context parallelism; 1 for dense models), micro-batch size (the micro-batch count follows
-from the global batch), ZeRO mode, schedule kind (with vpp for interleaving), recompute
-policy and FP8. Every point goes through three filters, cheapest
-first, and the counts of what each one removed are reported:
-
-1. validity (`strategy.check`): divisibility (tp into heads, KV heads, FFN and vocabulary;
-   2*cp*tp into the sequence; dp into the global batch), schedule constraints (interleaving
-   needs m % pp == 0, DualPipe an even pp ...), chunks <= layers;
-2. memory: the per-rank model states, buffers and in-flight activations of `memory.py` with
-   the schedule's own peak in-flight counts, over the device capacity minus the margin;
-3. branch and bound on time: each survivor gets a lower bound (its busiest rank's compute
-   with no bubble and no data-parallel exposure); they are replayed on the schedule IR in
-   order of that bound (the fast, extrapolated replay of `simulate.predict`), and the search
-   stops as soon as the next bound cannot beat the k-th best step time found.
-
-The top-k are then replayed exactly (full micro-batch count, with the p2p actions the
-executor runs) and ranked by step time. Everything that does not depend on the schedule
-(a layer's costs, links) is cached across points, and the schedule structures (placement,
-in-flight counts) are cached by (kind, pp, vpp, m), which is what makes thousands of points
-per second possible.
+The space is tp x cp x pp (dp is what remains) x ep (MoE: divisors of dp * cp that divide the
+experts) x micro-batch size x ZeRO x schedule (and vpp) x recompute x FP8. Three filters,
+cheapest first, with counts reported: validity (`strategy.check`), memory (`memory.py` with the
+schedule's own in-flight counts), and branch and bound on time -- survivors are replayed
+(fast) in order of a lower bound (busiest rank's compute, no bubble) until the next bound
+cannot beat the k-th best. The top k are replayed exactly. Layer costs and schedule
+structures are cached, which makes thousands of points per second possible.
 """
 
 from __future__ import annotations

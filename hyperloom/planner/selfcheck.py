@@ -1,18 +1,12 @@
 """The planner's prediction for a training job, beside what the job measured.
 
-`hyperloom train` ends by asking the planner what this very job (model, layout, schedule,
-micro-batches) should cost on this machine and hands it what it measured: the mean seconds
-per training step and the busiest rank's peak memory above its pre-model baseline (the
-runtime, the data and the interpreter are not the planner's to predict). `self_check`
-returns both side by side with their relative errors for summary.json, so every run is one
-more validation point of the cost model. The trainer calls in; nothing here calls back.
-
-The hardware numbers come from `logging.self_check`: ``auto`` (a profile of this machine,
-measured once and cached, `cached_profile`), a profile JSON, or ``off``. A CPU profile is the
-whole machine while a rank computes on its share of the cores (`cpu_share`,
-`oversubscribed_step`). Not modelled: other processes on the same cores; and the planner
-costs one pipeline flush of `microbatches x grad_accum` micro-batches where the trainer runs
-`grad_accum` flushes.
+`hyperloom train` ends by handing the planner its measured step time and peak memory (above
+the pre-model baseline); `self_check` returns prediction and measurement with their relative
+errors for summary.json, so every run validates the cost model. The hardware numbers come
+from `logging.self_check` (``auto``: this machine's cached profile; a JSON; or ``off``). A CPU
+profile is the whole machine, shared among ranks (`cpu_share`, `oversubscribed_step`). Not
+modelled: other processes on the cores, and the trainer's `grad_accum` pipeline flushes (the
+planner costs one flush of `microbatches x grad_accum`).
 """
 
 from __future__ import annotations

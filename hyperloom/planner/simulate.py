@@ -1,37 +1,17 @@
 """Predict one strategy: costs laid onto the schedule IR, simulated, turned into a `Plan`.
 
-This is the glue. For a model, a cluster, a strategy and a runtime it
+For a model, cluster, strategy and runtime: cost one layer (`costs.layer_phase`), cut the
+model into chunks (`costs.assign_layers`), give every stage its chunk's F/B/W seconds, build
+the schedule the executor runs and replay it with the activation transfer as p2p latency
+(`pipeline.simulate`), so bubbles and exposed p2p come from the replay. Each rank finishes at
+its last compute event plus shared-gradient all-reduces, exposed dp sync and its optimizer
+step; memory uses the replay's peak in-flight counts. DualPipe's FB pairs may hide expert
+all-to-all time (`Runtime.dualpipe_ep_overlap`). MFU is model FLOPs per second (Megatron/PaLM
+convention, recompute not counted) over the BF16 dense peak.
 
-1. builds one `Layer` and costs it (`costs.layer_phase`), cuts the model into chunks
-   (`costs.assign_layers`: pp x chunks-per-rank, the embedding on the first chunk and the head
-   on the last), and gives every *stage of the schedule* its chunk's F/B/W seconds;
-2. builds the schedule the executor runs (`pipeline.build_schedule`, with its p2p actions
-   from `pipeline.add_communication`) and replays it with those per-stage costs and the
-   activation transfer time as the p2p latency (`pipeline.simulate`). Bubbles, warm-up and
-   cool-down, non-uniform first and last stages and exposed p2p transfers all come out of the
-   replay; nothing here re-derives a schedule;
-3. finishes each rank at its last compute event plus the all-reduces of gradients shared
-   across pipeline ranks (DualPipe's model copies, tied embeddings; `shared_grad_groups`),
-   its exposed data-parallel sync and its optimizer step; the step time is the latest rank;
-4. sizes each rank's memory with the peak in-flight and W-pending counts of the replay.
-
-Under DualPipe an overlapped forward-and-backward pair may hide expert-parallel all-to-all
-time (`Runtime.dualpipe_ep_overlap`, 0 unless a runtime claims it): the replay then charges
-each pair ``fb_overlap`` x its parts (`fb_overlap`, from the busiest rank), while unpaired
-actions pay in full. DualPipe's ranks each hold two chunks that see m/2 micro-batches apiece
-(`chunk_passes`), which the busy-time breakdown and the search's lower bound use.
-
-MFU is model FLOPs (`ModelSpec.model_flops_per_token`, the Megatron/PaLM convention with the
-full attention matrix, recomputation not counted) per second over the BF16 dense peak, with
-or without FP8.
-
-Speed (`fast=True`, used by the search): once a schedule is in its steady state each extra
-micro-batch adds a fixed time, so the replay runs at two micro-batch counts m1 < m2 past the
-point where that holds (m1 = 2pp for 1F1B, ZB-H1 and interleaving, 3pp for the V-shapes and
-DualPipe; m2 = m1 + pp) and each rank's finish time is extrapolated linearly to m; the
-in-flight counts are already saturated at m1. The fast replay also leaves out the p2p
-actions and charges the transfer as a dependency latency, which gives the same times (the
-receives sit right before their consumers). Tests hold fast to exact within 1%.
+`fast=True` (the search's) replays at two micro-batch counts past the steady state and
+extrapolates each rank's finish linearly to m, without p2p actions; tests hold it to the
+exact replay within 1%.
 """
 
 from __future__ import annotations

@@ -1,60 +1,26 @@
 """A parallel strategy (what the search varies) and a runtime (how the trainer behaves).
 
-`Strategy` is one point of the search space: tp, pp, vpp, dp, cp, ep, ZeRO mode, micro-batch
-size and count, schedule kind, recompute policy, FP8. `check` returns why a point cannot run
-(with the arithmetic), or None; the search calls it before costing anything.
+`Strategy` is one point of the search space (tp, pp, vpp, dp, cp, ep, ZeRO, micro-batches,
+schedule, recompute, FP8; `Strategy.from_job`); `check` says why a point cannot run, with the
+arithmetic. `Runtime` is what a strategy costs on a given trainer: byte widths of parameters,
+gradients and optimizer state, and which communication is overlapped and how well.
 
-`Runtime` is what the same strategy costs *on a given trainer*: which dtype holds the
-parameters, whether gradients and the optimizer are sharded with a separate master copy,
-which communication is overlapped with compute and how well. Two are built in:
+- ``hyperloom``: FP32 parameters under BF16 autocast, 16 B/param (zero 0, DDP overlapped with
+  backward), 8 + 12/dp (our ZeRO-1, not overlapped; in-place all-reduces on gloo,
+  ``zero1_in_place``), 16/dp (FSDP2, gradients unsharded under accumulation); +2 B/param of
+  autocast weight copies while a micro-batch awaits backward; TP not overlapped; SP inputs
+  saved gathered. `Runtime.from_job` also turns on per-op autocast saves
+  (``autocast_per_op``) and the fused chunked cross-entropy, off in the built-in runtime so
+  device numbers stay comparable with the published validation.
+- ``megatron``: BF16 parameters with FP32 main gradients, 18, 6 + 12/dp, 18/dp B/param;
+  gradient reduce and parameter gather overlapped; TP collectives 80% hidden (an assumption,
+  docs/planner.md); SP inputs saved sharded and gathered again for wgrad.
 
-- ``hyperloom`` — this repository's runtime today. Parameters are FP32 and compute runs under
-  BF16 autocast, so model states are 4 (param) + 4 (grad) + 8 (Adam m, v) = 16 B/param with
-  zero 0 (DDP, bucketed all-reduce overlapped with the backward; the gradients are views of
-  its buckets); zero 1 keeps params and grads replicated (the grads in one flat buffer) plus a
-  separate FP32 master slice, 4/dp, and moments 8/dp = 8 + 12/dp B/param (`parallel/zero1.py`;
-  its reduce-scatter and all-gather are not overlapped, and on gloo they are two in-place
-  all-reduces, ``zero1_in_place``, which `selfcheck.cpu_runtime` sets); zero 3 is FSDP2,
-  16/dp, with per-block all-gathers prefetched behind compute and, under gradient
-  accumulation, unsharded
-  gradients kept until the last micro-batch (`no_sync`). Autocast keeps a BF16 copy of each
-  weight alive while any micro-batch that used it awaits its backward (+2 B/param).
-  Tensor-parallel collectives are not overlapped, and under sequence parallelism the
-  column-parallel linears save the gathered input. Two facts of the runtime are off in the
-  built-in ``hyperloom`` (so that device-memory numbers stay comparable with the published
-  validation) and on in `job_runtime` (`Runtime.from_job`), which the training self-check
-  uses. First, autocast works per op (``autocast_per_op``): the norms save their FP32 input
-  and each linear saves its own BF16 cast of the FP32 norm output (three before q, k, v; two
-  before w1, w3), and no weight copy is made for the embedding (a lookup) or, under the
-  fused loss, the head (the loss operator casts it itself). Second, the output layer and the loss are one fused,
-  chunked operator (`engine/ops/cross_entropy.py`) that saves no logits but forms the FP32
-  input and weight gradients in its forward and keeps them until backward.
-- ``megatron`` — Megatron-LM with the distributed optimizer as used for its published runs:
-  BF16 parameters and FP32 main gradients, 2 + 4 + 12 = 18 B/param (zero 0), 6 + 12/dp
-  (zero 1 = distributed optimizer), 18/dp (zero 3); ``--overlap-grad-reduce
-  --overlap-param-gather`` hide the reduce-scatter behind the last backward and the gather
-  behind the next forward; ``--tp-comm-overlap`` hides TP collectives behind GEMMs, which we
-  take as 80% effective (an assumption, see docs/planner.md); sequence-parallel inputs are
-  saved sharded and gathered again for the weight gradient.
-
-Expert parallelism (`Strategy.ep`) folds over data x context parallelism as the runtime does
-(Megatron's "parallel folding", `parallel/mesh.py`): ep divides dp * cp, each rank holds E/ep
-routed experts, tokens reach them through an all-to-all (``dispatcher="alltoall"``, variable
-splits) or an all-gather / reduce-scatter pair (``"allgather"``), and expert gradients are
-reduced over the expert-data-parallel group of dp * cp / ep ranks. Neither runtime overlaps
-the all-to-all with compute (``ep_overlap`` 0: hyperloom has no overlap, and Megatron's
-``--overlap-moe-expert-parallel-comm`` is taken as off). ``dualpipe_ep_overlap`` is the
-fraction hidden inside DualPipe's overlapped forward-and-backward pairs (DeepSeek-V3 §3.2.1:
-one micro-batch's all-to-all runs while the other computes); it is 0 for both built-in
-runtimes and is set explicitly, as an assumption, where DeepSeek's own system is modelled
-(`published.deepseek_v3`). ``a2a_node_dedup`` is DeepSeek's dispatch (DeepEP, paper
-§3.2.2): a token crosses the network once per destination node and is forwarded inside the
-node over the scale-up fabric; the plain all-to-all sends every routed copy.
-``fp8_dispatch``: with FP8 GEMMs the dispatch moves FP8 activations (DeepSeek-V3 §3.3.2; the
-combine and the backward stay BF16); both built-in runtimes dispatch in BF16.
-
-Pass ``param_bytes=2`` (`--param-dtype bf16`) to model Megatron's memory layout on the
-hyperloom runtime's overlap behaviour, or build any other `Runtime`.
+Expert parallelism folds over dp x cp (`parallel/mesh.py`); dispatch is an all-to-all or an
+all-gather pair, not overlapped in either runtime (``ep_overlap`` 0). ``dualpipe_ep_overlap``
+(the share hidden in DualPipe's FB pairs), ``a2a_node_dedup`` (DeepEP's once-per-node dispatch)
+and ``fp8_dispatch`` describe DeepSeek's own system and are set only where it is modelled.
+``param_bytes=2`` models Megatron's memory layout with hyperloom's overlap.
 """
 
 from __future__ import annotations

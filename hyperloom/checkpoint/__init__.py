@@ -1,18 +1,11 @@
 """Saving and loading a training run: one home for both checkpoint formats.
 
-- `layout`: where checkpoints live (`RUN_DIR/checkpoints/step_N/`), which ones count, how a
-  path given by the user resolves; no torch;
-- `commit`: the commit protocol (`step_N.tmp/` -> `step_N/`, `meta.json` with the SHA-256
-  manifest written last), pruning, verification, the newest checkpoint that verifies;
-- `whole`: the whole-tensor format (safetensors weights + `train_state.pt`);
-- `sharded`: the sharded format (`torch.distributed.checkpoint`, every rank writes its own
-  pieces, loading reshards) and its writer;
-- `state`: layout-free model and optimizer state for the whole format (gather, slice back);
-- `rng`: every random stream; `writer`: the `Writer` interface, staging and async saves.
-
-This module is the interface the trainer, resilience, inference and the converters use; the
-sharded format's modules (DCP, the parallel layout) are imported only when they are needed,
-so reading a whole checkpoint stays light.
+`layout` (where checkpoints live; no torch), `commit` (the commit protocol, verification,
+pruning), `whole` (whole tensors: safetensors + `train_state.pt`), `sharded` (DCP, every rank
+writes its pieces, loading reshards), `state` (layout-free model and optimizer state), `rng`
+(every random stream) and `writer` (the `Writer` interface, async saves). This module is the
+interface the trainer, resilience, inference and the converters use; the sharded format's
+modules are imported only when needed, so reading a whole checkpoint stays light.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The commit protocol and integrity checks shared by both checkpoint formats.
 
-A save writes every file into `step_N.tmp/` and fsyncs it; `commit` then writes the commit
-record `meta.json` last, carrying the SHA-256 manifest of those files (like DCP's
-`.metadata`, REFERENCE §5.1), renames the directory into place and fsyncs the parent, so the
-rename survives a power cut. A crash mid-save therefore never leaves a directory that looks
-finished. A directory without `meta.json`, or whose files do not match it, is never loaded:
-`latest_verified` falls back to the newest checkpoint that is committed and verifies, and
-says why it passed over each newer one.
+A save writes into `step_N.tmp/` and fsyncs; `commit` writes the record `meta.json` (SHA-256
+manifest) last, as PyTorch's DCP writes its `.metadata` last (its `filesystem.py`), renames
+the directory into place and fsyncs the parent. A crash mid-save
+never leaves a directory that looks finished; `latest_verified` loads the newest committed
+checkpoint whose files match and says why it passed over newer ones.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """`hyperloom convert`: checkpoints to and from the Hugging Face format.
 
-Export writes what `transformers.AutoModelForCausalLM.from_pretrained(DIR)` reads: the
-weights under Hugging Face names in `model.safetensors`, `config.json`, and the tokenizer.
-Import reads such a directory (one `model.safetensors` or a sharded set with its index) into
-a hyperloom checkpoint (`RUN_DIR/checkpoints/step_00000000`, the same committed format
-training writes) that `hyperloom generate` loads and that exports back bit for bit.
-
-The name maps and config adapters live with each family (`models/<family>/hf.py`): Llama's
-half-split RoPE is Hugging Face's own, DeepSeek's interleaved RoPE channels are permuted on the
-way in and out. An imported checkpoint holds weights only (no optimizer state), so it is for
-inference and evaluation; training from it is not built yet.
+Export writes what `AutoModelForCausalLM.from_pretrained(DIR)` reads (`model.safetensors`,
+`config.json`, the tokenizer); import turns such a directory into a committed hyperloom
+checkpoint that `hyperloom generate` loads and that exports back bit for bit. Name maps and
+config adapters live with each family (`models/<family>/hf.py`). Imports hold weights only,
+for inference and evaluation.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Where checkpoints live in a run directory, and which of them count.
 
-A checkpoint is a directory `RUN_DIR/checkpoints/step_00000300/`; while it is being written
-it is `step_00000300.tmp/` (`staging_dir`). Only a `step_N/` holding its commit record
-`meta.json` (written last, hyperloom.checkpoint.commit) is a checkpoint: `list_checkpoints`
-and `latest_checkpoint` see nothing else. Both formats share this layout; a sharded one is
-told apart by DCP's `.metadata` (`is_sharded`).
-
-This module needs no torch, so finding a checkpoint costs nothing but the file system.
+A checkpoint is `RUN_DIR/checkpoints/step_00000300/` (while written, `step_00000300.tmp/`);
+only a `step_N/` holding its commit record `meta.json` counts. Both formats share this layout;
+a sharded one is told apart by DCP's `.metadata` (`is_sharded`). No torch is imported, so
+finding a checkpoint costs only the file system.
 """
 
 from __future__ import annotations

@@ -1,57 +1,21 @@
 """Sharded checkpoints through `torch.distributed.checkpoint` (DCP): every rank writes its own.
 
-`checkpoint.format = "sharded"` replaces the whole-tensor checkpoint (hyperloom.checkpoint.
-whole: every rank gathers full tensors, the main rank writes one safetensors file)
-with one where each rank writes only what it holds, so a save costs no gather and no rank
-needs room for the whole model.
+With `checkpoint.format = "sharded"` a save costs no gather and no rank needs room for the
+whole model. Each rank hands DCP `model/<name>` and `optimizer/<name>/<key>` tensors that
+describe the global tensor and its piece: tp and ep shards as DTensors with `Shard(dim)`
+(no copy), FSDP2 parameters as the DTensors they are, replicated tensors plain (DCP writes one
+replica), ZeRO-1's flat moments in per-parameter form (`state_by_param`), and a pipeline rank
+only the parameters it reports. Loading reshards: a rank of any other layout asks for the
+pieces it needs and DCP reads the overlapping bytes; one process loads whole tensors
+(`load_full`). Small non-tensor state goes into `train_state.pt`, as in the whole format.
+DCP is PyTorch's own format for this (torchtitan uses it) and does the resharding arithmetic.
 
-**What each rank hands DCP.** A flat dict `model/<name>` and `optimizer/<name>/<key>` of
-tensors that describe *the global tensor* and this rank's piece of it:
-
-- a tensor-parallel shard (`models.shard.Shard(dim, index, parts)`) becomes a DTensor on the
-  tensor-parallel sub-mesh with placement `Shard(dim)` (`DTensor.from_local`, no copy); an
-  expert-parallel one (`Shard.over == "ep"`) the same on a mesh over the ep group;
-- an FSDP2 parameter (zero 3) is a DTensor over dp already and goes in as it is (with tp as
-  well, its dp shards are gathered first: the pair of placements is FSDP's strided one);
-- a replicated tensor goes in plain; DCP's planner picks one of its replicas to write it;
-- ZeRO-1 keeps its Adam moments as one flat buffer cut at arbitrary parameter boundaries,
-  which is no tensor's shard, so they go in the per-parameter form `state_by_param` gives
-  (gathered over dp, then tp-sharded like the parameter);
-- a pipeline rank hands in only the parameters it reports (`state_params`), so the stages
-  together hold each name once.
-
-DCP then records every piece's offsets in its `.metadata`, and **loading reshards**: a rank
-of any other layout (tp, pp, dp, zero, world size) asks for the pieces it needs, as DTensors
-or plain tensors, and DCP reads exactly the overlapping bytes; one process with no process
-group loads whole tensors (`load_full`), which is also how `hyperloom generate` and the
-converters read a sharded checkpoint. Non-tensor state (step, data position, every rank's RNG
-streams, FP8 scaling state, resilience state) is small and goes, as in the whole format, into
-`train_state.pt` written by the main rank.
-
-**Why DCP.** It is PyTorch's own format for exactly this (torchtitan uses it): it knows
-DTensor placements, dedups replicas, writes one file per rank, and its load planner does the
-resharding arithmetic that would otherwise be ours to get right for every pair of layouts.
-
-**Commit protocol: ours, not DCP's.** DCP's commit record is its `.metadata`, written by the
-coordinator after the others reported their writes (REFERENCE §5.1); it has no checksums and
-expects an empty directory. We keep the protocol of the whole format around it:
-
-1. the main rank empties `step_N.tmp/`, every rank waits for it (barrier);
-2. every rank writes its shards with DCP into `step_N.tmp/` (fsynced); asynchronously,
-   `dcp.async_save` stages a CPU copy and writes it in a background thread while training
-   goes on, and a commit thread of ours waits on its future;
-3. every rank hashes the files it wrote (SHA-256) and all ranks exchange (ok, hashes): this
-   is the collective agreement that every rank has finished;
-4. only if every rank succeeded, the main rank writes `train_state.pt`, `config.toml`,
-   `tokenizer.json`, hashes those and DCP's `.metadata`, writes `meta.json` (the manifest)
-   last, renames `step_N.tmp/` to `step_N/`, fsyncs the parent and prunes to the newest
-   `checkpoint.keep` (hyperloom.checkpoint.commit, shared with the whole format);
-5. the main rank tells every rank whether it committed, so a failure is reported everywhere.
-
-A rank killed anywhere before step 4 leaves `step_N.tmp/`, which is never loaded; "latest"
-is the newest directory with a `meta.json` whose files all match it (`latest_verified`). The
-collectives of background saves run on their own gloo process group, so they never interleave
-with the training loop's collectives on the default one.
+The commit protocol is ours: DCP's `.metadata` carries no checksums and DCP expects an empty
+directory. The main rank empties `step_N.tmp/`; every rank writes its shards there (or via
+`dcp.async_save` in the background), hashes them, and all ranks exchange (ok, hashes); only if
+all succeeded does the main rank write the small files and `meta.json` last, rename and prune
+(`commit`), then tell every rank. Background saves use their own gloo group, so their
+collectives never interleave with training's.
 """
 
 from __future__ import annotations

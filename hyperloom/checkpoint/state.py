@@ -1,14 +1,10 @@
 """Layout-free model and optimizer state: gather shards to full tensors, slice them back.
 
-The whole format (hyperloom.checkpoint.whole) holds every tensor whole and keyed by
-parameter name, so it loads into any layout (tp, dp, ep, zero, world size) and into a single
-process: loading slices each tensor for the rank's tensor-parallel shard (or its experts,
-under ep) and, under FSDP, distributes it over dp. Gathering costs a full copy on every
-rank -- fine for the models this release trains; the sharded format
-(hyperloom.checkpoint.sharded) writes each rank's pieces instead and reshards on load.
-
-Optimizer state is stored by parameter name too (`{"state": {name: {...}}}`), not by the
-position of the parameter in the optimizer, which a different layout may change.
+The whole format keeps every tensor whole and keyed by parameter name, so it loads into any
+layout and into one process: loading slices each tensor for the rank's shard (or experts) and,
+under FSDP, distributes it over dp. Optimizer state is keyed by parameter name too, not by
+position, which a different layout may change. Gathering costs a full copy per rank; the
+sharded format avoids that.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The whole-tensor checkpoint format: atomic, self-describing, resumable bit for bit.
 
-A checkpoint directory `RUN_DIR/checkpoints/step_00000300/` holds
-
-- `model.safetensors`: the FP32 weights, Hugging-Face-style safetensors (readable by others);
-- `train_state.pt`: optimizer state, step, data-loader position, every RNG stream;
-- `config.toml`: the resolved job config; `tokenizer.json`: the tokenizer;
-- `meta.json`: step, tokens seen, last loss, and SHA-256 of each file above.
-
-Every tensor is whole and keyed by name (hyperloom.checkpoint.state gathers and slices
-them), so it loads into any layout and into one process; the main rank writes it. It is
-written into `step_….tmp/` and published by the commit protocol (hyperloom.checkpoint.commit):
-`meta.json` last, then the rename. The sharded format (hyperloom.checkpoint.sharded) keeps
-`train_state.pt` and the other small files as they are here and replaces the weights.
+`step_N/` holds `model.safetensors` (FP32 weights), `train_state.pt` (optimizer, step, data
+position, RNG streams), `config.toml`, `tokenizer.json` and `meta.json` (SHA-256 of each).
+Tensors are whole and keyed by name (`state`), so it loads into any layout; the main rank
+writes it through the commit protocol. The sharded format keeps the small files and replaces
+the weights.
 """
 
 from __future__ import annotations

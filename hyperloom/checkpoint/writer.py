@@ -1,36 +1,15 @@
 """Asynchronous checkpoint saves: stage a CPU copy, write it in the background, commit last.
 
-A save has two halves with very different costs. **Staging** copies every tensor of the
-state into private CPU memory (pinned, with one device sync, when the state lives on an
-accelerator); training cannot go on until it is done, because the next optimizer step
-overwrites the very tensors being saved. **Writing** (safetensors + torch.save, fsync,
-SHA-256 manifest, rename, pruning) only reads the staged copy, so it can overlap the next
-steps. This is DCP's `async_save` split into `staging_completion` and `upload_completion`
-(REFERENCE §5.2) and torchtitan's `async_mode`; the measured stall goes from the whole save
-to the copy (benchmarks/checkpoint_stall.py).
+Staging copies the state into private CPU memory and must finish before the next optimizer
+step; writing (files, fsync, manifest, rename, pruning) reads only that copy and overlaps the
+next steps, so the stall shrinks to the copy (benchmarks/checkpoint_stall.py). This is DCP's
+`async_save` split into staging and upload, and torchtitan's `async_mode`. Both formats
+implement `Writer`, the interface the trainer and resilience save through.
 
-Choices and their reasons:
-
-- **Format.** This writer keeps hyperloom's whole-tensor, layout-free checkpoint
-  (hyperloom.checkpoint.whole): the main rank writes tensors that every rank gathered. It
-  loads into any layout and world size; it does not scale to models whose full state does not
-  fit one host, which is where the sharded writer (hyperloom.checkpoint.sharded, every rank
-  writes its own shards with `torch.distributed.checkpoint`) takes over. Both implement
-  `Writer`, the interface resilience and the trainer save through.
-- **Thread, not process.** File writes and hashing release the GIL, so a thread costs little
-  here and needs no shared memory; DCP's PROCESS mode avoids GIL contention for the Python
-  parts of large sharded saves.
-- **One save in flight.** A new save first waits for the previous one (that wait is counted
-  as stall), so staged copies never pile up in host RAM: at most one extra copy of the state.
-- **Commit.** The writer's `meta.json` (SHA-256 manifest) is written last and the directory
-  renamed into place, so a process killed mid-save leaves only `step_N.tmp/`, which is never
-  loaded; "latest" is the newest committed checkpoint that verifies (`latest_verified`).
-- **Failures.** A writer that raises is reported (event `checkpoint_failed`) at the next save
-  or at the end, and the next save starts a fresh write; the previous committed checkpoint
-  stays the latest. A writer killed with the process leaves the previous one committed too.
-  The writer is a thread, so "the writer dies" means an exception unwinds it (any
-  BaseException is caught at its top: the `writer_crash` drill raises one half-way through
-  the files); a writer that could be killed on its own would be a separate process.
+A thread, not a process: writes and hashing release the GIL. One save in flight: a new save
+waits for the previous one (counted as stall), so at most one extra copy sits in host RAM. A
+writer that raises is reported (`checkpoint_failed`) and the next save starts afresh; the
+previous committed checkpoint stays the latest, as it does when the process is killed.
 """
 
 from __future__ import annotations

@@ -7,10 +7,22 @@
     hyperloom plan search CONFIG.toml [--section.key value ...] [--fix ...]
     hyperloom plan calibrate [--out profile.json] [--quick]
 
-`predict` reads the trainer's TOML (`Strategy.from_job`) without its "not built yet" checks,
-so layouts the trainer cannot run yet can be planned. `add_plan_parser(subparsers,
-runtime_memory)` registers the command; `runtime_memory` is the trainer's memory probe that
-`calibrate` fits on. `PlanError` is its user error.
+`predict` reads the same TOML (and dotted overrides) as `hyperloom train`, takes the layout
+from [parallel], the micro-batch size and count from [train] and the sequence length from
+[data] (`Strategy.from_job`), and predicts that one layout; the schedule kind, chunks per
+rank and FP8 come from the job unless a flag says otherwise, the recompute policy (no job
+key) from --recompute. The config is read without the trainer's "not built yet" checks, so
+layouts the trainer cannot run yet can be planned. `search` searches the layouts of a model
+preset, or of a job's model, GPU count and batch (`search.py`); --fix pins dimensions (``/``
+separates several values). --json writes every plan, --png-prefix writes PREFIX_memory.png,
+PREFIX_timeline.png and (search) PREFIX_top.png. `calibrate` measures this machine
+(`calibrate.py`) and saves a profile that --accelerator accepts. Without a subcommand,
+`hyperloom plan CONFIG` predicts (or searches, with --search) and `hyperloom plan --model ...`
+searches.
+
+This docstring's third paragraph (the one above) is `hyperloom plan --help`'s description.
+`add_plan_parser(subparsers, runtime_memory)` registers the command; `runtime_memory` is the
+trainer's memory probe that `calibrate` fits on. `PlanError` is its user error.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Anomaly detection: NaN/Inf, loss spikes and gradient-norm spikes, checked every step.
 
-A training step is *anomalous* when
-
-1. its loss or its global gradient norm is not finite (NaN or Inf): always checked, from the
-   first step on, as Megatron's `--check-for-nan-in-loss-and-grad` does;
-2. or, once `warmup` healthy steps have been seen, the value is a **spike**: above
-   `mean + sigma * std` of the last `window` healthy values (OLMo-core's skip-step rule:
-   6σ over 128 steps, active after 64), or above `max_factor` times the largest healthy value
-   in the window (Megatron's `SPIKY_LOSS_FACTOR = 10`). The σ rule catches a jump that is
-   large for the recent noise level; the max-factor rule is a coarse net for very noisy
-   phases where σ is itself large.
-
-Anomalous values never enter the statistics, so one spike does not widen the band that would
-catch the next one. Only upward deviations count: a loss that drops fast is not a fault.
-
-The detector sees plain floats. The trainer reads (loss, grad norm) off the device once per
-step, together (and, with several processes, after one small all-reduce so that every rank
-takes the same decision): one host sync per step. OLMo-core avoids even that by keeping the
-statistics on the device and multiplying the update by a 0/1 mask; we take the sync because a
-rollback is a host decision anyway and the check must come before the optimizer step.
-
-References: PaLM (arXiv 2204.02311 §5.1) on spikes; OLMo-core
-`optim/skip_step_optimizer.py`; Megatron-LM `SPIKY_LOSS_FACTOR` and
-`rerun_state_machine.py`.
+A step is anomalous when its loss or global grad norm is not finite (always checked, as
+Megatron's `--check-for-nan-in-loss-and-grad`), or, after `warmup` healthy steps, spikes:
+above mean + sigma * std of the last `window` healthy values (OLMo-core's skip-step rule) or
+above `max_factor` times their maximum (Megatron's `SPIKY_LOSS_FACTOR`). Only upward
+deviations count, and anomalous values never enter the statistics. The check costs one host
+sync per step (after one small all-reduce, so every rank decides alike); OLMo-core avoids it
+with an on-device mask, but a rollback is a host decision and must precede the optimizer step.
+References: PaLM (arXiv 2204.02311 §5.1); OLMo-core `optim/skip_step_optimizer.py`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """`hyperloom drill KIND`: break a real training run on purpose and show that it heals.
 
-Each drill runs `hyperloom train` (the user's config and overrides, in `--run-dir`) with one
-fault, lets the resilience machinery deal with it, and ends with a completed run and a short
-report: what was injected, what the run did about it (from events.log), and — with
-`--reference`, the default — how the result compares with a clean run of the same job in
-RUN_DIR/reference (bitwise on the final weights where the recovery replays exactly, the
-validation loss otherwise).
-
-| kind | fault | expected recovery |
-| --- | --- | --- |
-| crash | `os._exit` after step K | the group is restarted (`--max-restarts 1`); resume from the newest committed checkpoint; final weights bitwise equal |
-| kill_during_save | process dies while the checkpoint of step K is half written | never loaded; resume from the previous one; bitwise equal |
-| writer_crash | with async saves, the background writer dies half-way through the checkpoint of step K (the process lives), and the process crashes after step K + every + 1 | nothing published, event `checkpoint_failed`, training goes on, the next save writes afresh; the crash resumes from a committed checkpoint (never K's); bitwise equal |
-| hang | the process stops after step K | the watchdog dumps stacks and exits; restart; bitwise equal |
-| corrupt_latest | the newest checkpoint is damaged after the run stops at step K | the next start falls back to the previous committed checkpoint, says so; bitwise equal |
-| uncommitted_latest | the newest checkpoint's commit record (`meta.json`) is deleted after the run stops at step K | the same: treated as uncommitted, event `checkpoint_fallback`; bitwise equal |
-| disk_full | ENOSPC half-way through the checkpoint of step K | nothing published, event `checkpoint_failed`, training goes on, the next save commits; bitwise equal |
-| nan | NaN gradients at step K | rollback to the last stable checkpoint, bad window skipped; validation loss close to clean |
-| spike | loss and gradients x30 at step K | the same |
-
-The drills are REFERENCE §5.9's list, minus what needs more than one host or a device. The
-async writer is a thread (hyperloom/checkpoint/writer.py), so writer_crash kills it with an
-exception, not a signal. Kinds with an expected event in `EVENT` pass only if the event is in
-events.log.
+Each drill runs `hyperloom train` with one injected fault, lets the resilience machinery deal
+with it, and reports what was injected, what the run did (from events.log) and, with
+`--reference` (the default), how the result compares with a clean run of the same job:
+bitwise on the final weights where recovery replays exactly, validation loss otherwise. Kinds
+with an expected event in `EVENT` pass only if events.log has it. The kinds and their expected
+recoveries are tabled in docs/resilience.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The trainer's resilience hooks in one object: checks, recovery, saves, watchdog, drills.
 
-The trainer calls a `Guard` at a handful of points and otherwise knows nothing of
-resilience; the guard in turn sees the trainer only through `GuardedRun`, the few things it
-needs to act on a run (its step, a checkpoint load, the data position, a barrier), and saves
-and finds checkpoints through hyperloom.checkpoint's interface:
-
-- `inject_grads` after the backward (fault drills), `healthy` before the optimizer step
-  (anomaly detection: False drops the update), `after_step` once the step is counted
-  (rollback or stop, drilled crashes and hangs, the watchdog's heartbeat);
-- `save` for every checkpoint (synchronous or asynchronous, commit protocol) and
-  `latest_checkpoint` when resuming (newest committed and verified, with fallback);
-- `start` after resuming (restart-loop guard, watchdog) and `close` at the end.
-
-Every decision is identical on every rank: the checked values are all-reduced first, and
-the checkpoint a rollback returns to is chosen from the shared file system by every rank
-alike. Only the main rank writes events and checkpoints (with `checkpoint.format = "sharded"`,
-every rank writes its own shards and the main rank commits them). The guard owns the
-learning-rate scale that rollbacks lower (`lr_scale`, saved with its state); the trainer
-multiplies its scheduled rate by it.
+The trainer calls a `Guard` at a handful of points (`inject_grads`, `healthy`, `after_step`,
+`save`, `latest_checkpoint`, `start`, `close`) and otherwise knows nothing of resilience; the
+guard sees the trainer only through `GuardedRun` and checkpoints only through
+hyperloom.checkpoint. Every decision is identical on every rank (checked values are
+all-reduced first; rollback targets are read from the shared file system). The guard owns the
+learning-rate scale that rollbacks lower (`lr_scale`), saved with its state.
 """
 
 from __future__ import annotations

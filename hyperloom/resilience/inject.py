@@ -1,30 +1,13 @@
 """Fault injection for drills and tests: `resilience.inject = "kind@step[:rRANK],..."`.
 
-Kinds, each firing once per run directory (a marker under RUN_DIR/drills/ remembers that it
-fired, so a restarted or rolled-back run does not meet the same fault again):
-
-- `nan_grad@k`: after the backward of step k, one gradient becomes NaN;
-- `loss_spike@k`: step k's loss and gradients are multiplied by `SPIKE_FACTOR`;
-- `crash@k`: the process dies (`os._exit`, like `kill -9`: no cleanup, no flush of an
-  in-flight checkpoint) right after step k's update;
-- `hang@k`: the process stops making progress after step k (the watchdog's job);
-- `kill_during_save@k`: the process dies while the checkpoint of step k is half written;
-- `disk_full@k`: writing the checkpoint of step k fails half-way with ENOSPC (the writer
-  raises; training goes on);
-- `writer_crash@k`: the background writer of step k's checkpoint dies half-way (it raises
-  `WriterCrash` once part of the files is written: in the writer thread of the whole
-  format, inside DCP's asynchronous write of the sharded one); the process and training go
-  on. Needs `checkpoint.async_save = true`.
-
-The save faults strike once the first file is on disk: the weights of the whole format, this
-rank's shard files of the sharded one (before DCP's `.metadata`).
-
-Without `:rN` the numeric faults hit every rank and the process faults hit rank 0. The
-variable HYPERLOOM_INJECT adds specs to the config's, for drills on an existing config.
-NVRx's `inject_fault.py` and Megatron's dist-checkpointing tests inject the same kinds of
-faults (REFERENCE §5.4, §5.9). The spec grammar (`parse_inject`, `Fault`) lives with its
-config section (hyperloom.config.resilience), so validating a job parses a spec without
-importing this runtime.
+Kinds: `nan_grad`, `loss_spike`, `crash` (`os._exit`, like `kill -9`), `hang`,
+`kill_during_save`, `disk_full` (ENOSPC), `writer_crash` (the async writer raises half-way;
+needs `checkpoint.async_save`). Each fires once per run directory (a marker under
+RUN_DIR/drills/), so a restarted or rolled-back run does not meet it again; save faults strike
+once the first file is on disk. Without `:rN` numeric faults hit every rank and process faults
+rank 0; `HYPERLOOM_INJECT` adds specs. NVIDIA's Resiliency Extension (`inject_fault.py`) and
+Megatron's dist-checkpointing tests inject the same kinds. The spec grammar lives with its
+config section (hyperloom.config.resilience).
 """
 
 from __future__ import annotations

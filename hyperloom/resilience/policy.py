@@ -1,32 +1,13 @@
 """Recovery policy: what to do about an anomalous step, and when to give up.
 
-`resilience.on_anomaly` chooses among
-
-- **skip**: drop the update (the gradients are zeroed, the optimizer does not step) and go
-  on with the next batch. Cheap and local; right for a rare bad batch (OLMo-core's skip-step,
-  torchft's "discard the failed step"). A fault that is not in one batch (weights already
-  non-finite, a learning rate that diverges) makes every step anomalous, so after
-  `max_skips` skips in a row the policy escalates: it rolls back to the last stable
-  checkpoint as `rollback` does, or, with none, stops. A run never finishes by skipping
-  every step.
-- **rollback**: restore the last *stable* checkpoint, one that was followed by
-  `stable_steps` healthy steps (the state right before a spike may already be the cause),
-  advance the data loader past the window of batches that led to the anomaly, optionally
-  multiply the learning rate by `lr_factor`, and continue. PaLM restarted about 100 steps
-  before a spike and skipped 200-500 batches: spikes came from the combination of a data
-  window and a parameter state, so replaying the same data from the same state repeats them.
-- **stop**: end the run with a report; nothing anomalous was applied or checkpointed.
-
-A rollback that keeps recurring means the fault is not transient: after `max_rollbacks`
-rollbacks within `rollback_window` steps the run gives up with a report of each one, instead
-of looping. If no stable checkpoint exists yet (early in the run), the step is skipped and
-the event says so.
-
-Stability is judged on this process's timeline: a committed checkpoint at step s is stable
-at step n when n >= s + stable_steps and no anomaly was seen in (s, s + stable_steps].
-Checkpoints newer than the rollback target belong to the abandoned timeline and are deleted,
-so that a crash right after a rollback cannot resume into it. Pruning (`checkpoint.keep`)
-never deletes the newest stable checkpoint.
+`resilience.on_anomaly`: **skip** drops the update (OLMo-core's skip-step, torchft's discarded
+step), escalating after `max_skips` in a row; **rollback** restores the last stable checkpoint
+(followed by `stable_steps` healthy steps), skips the data window that led to the anomaly and
+may scale the learning rate -- PaLM restarted before a spike and skipped batches, since a
+spike comes from a data window meeting a parameter state; **stop** ends the run. After
+`max_rollbacks` within `rollback_window` steps the run gives up with a report instead of
+looping. Checkpoints newer than a rollback target are deleted, so a crash right after cannot
+resume into the abandoned timeline; pruning never deletes the newest stable checkpoint.
 """
 
 from __future__ import annotations

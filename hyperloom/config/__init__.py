@@ -1,17 +1,10 @@
 """Typed job configuration: nested dataclasses, TOML presets and dotted command-line overrides.
 
-A job is one `JobConfig` made of sections (model, parallel, precision, train, data, checkpoint,
-logging, resilience, ops). Every field carries a one-line doc in its metadata; `hyperloom
-config show` prints the resolved config as TOML with those docs as comments.
-
-Each section is a module here with its dataclass and its own checks (`problems(job)`), shown
-with their arithmetic; `job.validate` only collects them. The `[model]` section is one flat
-table whose fields are declared per family (`config.models`), with its presets beside it.
-Unknown keys, wrong types and values outside a field's choices are reported with the key's
-full dotted name (`base.build_section`).
-
-This package is a leaf: it imports nothing else from hyperloom, so every layer can read a
-job, and loading one needs neither torch nor the model code.
+A `JobConfig` is made of sections (model, parallel, precision, train, data, checkpoint,
+logging, resilience, ops), each a module with its dataclass and its own checks, which state
+their arithmetic; every field has a one-line doc that `hyperloom config show` prints. The
+package is a leaf: it imports nothing else from hyperloom, so every layer can read a job
+without torch or model code.
 """
 
 from hyperloom.config.base import (

@@ -1,13 +1,9 @@
 """The whole job: its sections put together, loaded from TOML and overrides, and validated.
 
-Loading happens in three layers, each a plain dict merge before any dataclass exists:
-
-1. the dataclass defaults (which are the default job: the `tiny` model on the built-in corpus);
-2. `model.preset`, if given, replaces the model section's defaults with that preset's values;
-3. the TOML file, then the `--section.key value` overrides, in order.
-
-Only then are the dataclasses built. `validate` collects each section's own checks; it
-mutates nothing, so a `JobConfig` that passed `load_config` is the job.
+Loading merges plain dicts before any dataclass exists: the defaults (the `tiny` model on the
+built-in corpus), then `model.preset`'s values, then the TOML file and the `--section.key
+value` overrides. `validate` collects each section's checks and mutates nothing, so a
+`JobConfig` that passed `load_config` is the job.
 """
 
 from __future__ import annotations

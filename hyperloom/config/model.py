@@ -1,14 +1,9 @@
 """The `[model]` section: one flat table whose fields are declared per model family, and presets.
 
-`ModelConfig` composes the family groups (`hyperloom.config.models`): the keys every family
-reads (`LlamaFields`, the Llama-style decoder) and the DeepSeek group's MoE / MLA / MTP keys.
-Users still write one `[model]` table (`--model.n_routed_experts 8`); each group brings its
-own checks.
-
-Presets are small TOML tables, one file per family in `config/presets/`; the `tiny` preset is
-the `ModelConfig` defaults themselves so the default job and the preset cannot drift. A
-preset is config data: loading a job with `model.preset` reads it here, without the model
-code (hyperloom.models.registry maps a family to the code that builds it).
+`ModelConfig` composes the family groups (`hyperloom.config.models`): the Llama-style keys
+every family reads and the DeepSeek group's MoE / MLA / MTP keys, each group with its own
+checks. Presets are small TOML files, one per family in `config/presets/`; `tiny` is the
+defaults themselves, so the default job and the preset cannot drift.
 """
 
 from __future__ import annotations

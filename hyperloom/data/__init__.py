@@ -5,8 +5,7 @@
     inputs, labels = loader.next_batch()          # (batch, seq_len) int64 each
     evals = val_batches(bundle.val, batch_size, cfg.data.seq_len, n_batches=20)
 
-The config is duck-typed: any object with the DataConfig attributes (source, paths,
-text_field, tokenizer, eos_token, seq_len, val_fraction, max_corpus_mb, cache_dir) works.
+The config is duck-typed: any object with the `DataConfig` attributes works.
 """
 
 from hyperloom.data.build import DataBundle, build_data, cache_root

@@ -1,17 +1,11 @@
 """build_data: config -> tokenizer + packed train/val token streams, cached on disk.
 
-Training a tokenizer and tokenizing 30 MB takes tens of seconds; every later run with the
-same data should take well under one. So the results (tokenizer.json, train.npy, val.npy,
-info.json) live in a cache folder named by a hash of *everything that determines their
-content*: the format version, source, the resolved file list with sizes and mtimes, the
-JSONL field, split fraction, subset size, vocab size, eos token, the user tokenizer's path
-and content hash, the tokenizer-training cap and the `tokenizers` version. Editing a corpus
-file changes its mtime and hence the folder; nothing is ever invalidated in place.
-
-Each file is written to a temporary name in the same folder and moved into place with
-`os.replace`, which is atomic on POSIX and Windows, so a concurrent process sees either no
-file or a whole one. `info.json` is written last and marks the folder complete. Two
-processes racing on a cold cache both build, and both write identical bytes.
+Building is slow and later runs should be fast, so the results (tokenizer.json, train.npy,
+val.npy, info.json) live in a folder named by a hash of everything that determines them (the
+source, the file list with sizes and mtimes, split, subset, vocabulary, eos, tokenizer and
+`tokenizers` version); nothing is invalidated in place. Files are written to temporary names
+and moved into place with `os.replace`, `info.json` last, so concurrent processes see a whole
+cache or none, and racing builders write identical bytes.
 """
 
 from __future__ import annotations

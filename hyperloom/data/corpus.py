@@ -1,22 +1,11 @@
 """Corpora: turn a data config into a list of documents, a subset and a train/val split.
 
-Three sources are supported:
-
-* ``stdlib`` -- every ``*.py`` file of the running interpreter's standard library (minus
-  ``site-packages``/``dist-packages``). It exists on every machine, needs no download and is
-  big enough (~30 MB) to train a small code model, which makes it the default corpus.
-* ``text`` -- plain text files. A file named in ``paths`` is read whatever its extension; a
-  directory contributes its ``*.txt`` files. A file is one document, unless it contains the
-  eos token literally, in which case it is split at each occurrence (the usual layout of
-  "documents joined by <|endoftext|>" dumps).
-* ``jsonl`` -- one JSON object per line, the document in ``text_field``. Directories
-  contribute their ``*.jsonl`` files; blank lines are skipped.
-
-Every document carries a stable identifier (relative path, plus ``#k`` for the k-th document
-of a text/jsonl file). Both the max_corpus_mb subset and the validation split are decided by
-SHA-1 of that identifier, never Python's salted ``hash()``, so they are identical on every
-machine and every run. They use *different* salts: ordering the subset by the same number
-that decides the split would fill a small subset with validation documents only.
+Sources: ``stdlib`` (the interpreter's standard library ``*.py`` files: on every machine, no
+download, the default), ``text`` (files, split at literal eos tokens) and ``jsonl`` (one
+object per line, the document in ``text_field``). Each document has a stable identifier, and
+the ``max_corpus_mb`` subset and the validation split are decided by SHA-1 of it (never
+Python's salted ``hash()``), so they are identical everywhere. They use different salts, or a
+small subset would hold validation documents only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """TokenDataset: a packed stream of token ids, cut into fixed-length training windows.
 
-Documents are concatenated, each followed by eos, into one 1-D array (the GPT-2/nanoGPT
-"packing" scheme): no padding is wasted, and the model learns document boundaries from the
-eos token. Sequence i is the window ``tokens[i*L : i*L + L + 1]`` for seq_len L -- inputs
-are its first L tokens, labels its last L -- so consecutive windows overlap by exactly one
-token and every token except the first is a label exactly once per epoch.
-
-The array is usually a read-only memory map of the cached ``.npy`` file, so a large corpus
-costs page cache rather than process memory, and forked workers share it for free.
+Documents are concatenated, each followed by eos (GPT-2/nanoGPT packing: no padding). Window
+i is ``tokens[i*L : i*L + L + 1]``, inputs its first L tokens and labels its last L, so every
+token but the first is a label exactly once per epoch. The array is usually a read-only memory
+map of the cached ``.npy``, shared by forked workers through the page cache.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """ResumableLoader: deterministic, resumable batches from a TokenDataset; fixed val batches.
 
-Exact resumption is what makes a restarted run indistinguishable from an uninterrupted one,
-so the loader's whole state is two integers -- the epoch and the position inside that
-epoch's order -- plus the values that must match for those integers to mean the same thing
-(seed, number of sequences, seq_len, shuffle). The epoch's order is never stored: it is
-recomputed from a `torch.Generator` seeded by `epoch_seed(seed, epoch)`, a fixed integer
-mix (not Python's salted `hash()`), so it is identical on every machine and restart.
-
-Batches flow across epoch boundaries: a batch may hold the last sequences of epoch e
-followed by the first ones of epoch e+1. Every sequence is thus seen exactly once
-per epoch and no partial batch is ever produced or dropped.
-
-A state may be loaded with a different batch size: the position counts sequences, not
-batches, so the stream of sequences continues where it left off.
+Exact resumption makes a restarted run indistinguishable from an uninterrupted one, so the
+loader's state is the epoch and the position in it (plus the seed, sizes and flags that give
+them meaning). An epoch's order is recomputed from a generator seeded by `epoch_seed(seed,
+epoch)`, a fixed integer mix, so it is identical on every machine. Batches flow across epoch
+boundaries (no partial batches), and the position counts sequences, so a state loads under a
+different batch size.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Tokenizer: a thin wrapper over HF `tokenizers`, and the built-in byte-level BPE trainer.
 
-The built-in tokenizer is a GPT-2 style byte-level BPE (Sennrich et al. 2016; Radford et
-al. 2019): text is mapped to bytes first, so every string -- unicode, tabs, runs of
-indentation -- encodes and decodes losslessly, and the base alphabet is the 256 byte
-symbols rather than whatever characters the corpus happened to contain. It is trained on
-the *training* split only (the validation loss must not see its own documents through
-the merges) and on at most `TRAIN_CAP_MB` of it: BPE merge counts stabilise long before
-30 MB and training time grows with the corpus, so the cap keeps a first run quick.
-
-`add_prefix_space=False` keeps decode(encode(x)) == x exactly (GPT-2's default prepends a
-space). Special tokens are never added by `encode` and never skipped by `decode`, so the
-eos token survives a round trip and the packed stream is exactly what the model sees.
+The built-in tokenizer is GPT-2-style byte-level BPE, so every string round-trips losslessly
+(`add_prefix_space=False`; special tokens never added or skipped implicitly). It is trained on
+the training split only, so validation documents do not leak through the merges, and on at
+most `TRAIN_CAP_MB` of it, which keeps a first run quick.
 """
 
 from __future__ import annotations

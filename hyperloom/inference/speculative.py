@@ -1,41 +1,21 @@
 """Speculative decoding with the multi-token-prediction modules as the draft model.
 
-**Why it works.** A DeepSeek-V3 model trained with D MTP modules (V3, arXiv 2412.19437 §2.2)
-already carries a cheap draft model: module k (1-based) reads the main model's last hidden
-state at position i and the embedding of token t_{i+k} and predicts t_{i+k+1}. V3 §5.4.3
-reports that the second token predicted this way is accepted 85-90% of the time, for 1.8x the
-decoding speed. Each round here:
+A DeepSeek-V3 model trained with D MTP modules (arXiv 2412.19437 §2.2) carries a cheap draft
+model: module k reads the main model's hidden state at i and Emb(t_{i+k}) and predicts
+t_{i+k+1}; V3 §5.4.3 reports the second token accepted 85-90% of the time, 1.8x decoding
+speed. Each round: **draft** d₁..d_D through the module chain (each module keeps its own MLA
+cache), **verify** [t_{i+1}, d₁, ..., d_D] in one main-model forward, **accept** drafts left
+to right (the first rejected one is replaced by a corrected token; if all pass, a bonus
+token), so a forward yields 1 to D + 1 tokens, and **roll back** by moving the position
+counter, since caches are written at explicit positions.
 
-1. **Draft.** After a main-model forward that ended at position i with the new token t_{i+1},
-   module 1 merges h⁰_i with Emb(t_{i+1}) and proposes d₁ for t_{i+2}; module k merges
-   module k-1's hidden state with Emb(d_{k-1}) and proposes d_k — the chain the modules were
-   trained on. The modules are causal blocks, so they keep their own compressed MLA cache
-   (layer ids n_layers .. n_layers + D - 1 of the same `MLACache`).
-2. **Verify.** One main-model forward over [t_{i+1}, d₁, ..., d_D] at positions i+1 .. i+1+D,
-   on top of the main KV cache, gives the target distribution p_j for every drafted position.
-3. **Accept.** Drafts are taken left to right while they pass the test below; the first
-   rejected one is replaced by a corrected token, and if all pass, p_{D+1} gives a bonus
-   token, so every main forward yields between 1 and D + 1 tokens.
-4. **Roll back.** The caches are written at explicit positions and attention reads only
-   [0, start + new), so rolling back is moving the position counter: the rejected drafts'
-   entries are overwritten by the next forward. A module-k cache entry at position j was
-   built from token t_{j+k}, which is a draft for the last k - 1 positions; those positions
-   are recomputed in the next round, the rest stays.
-
-**Acceptance rule** (Leviathan et al., arXiv 2211.17192, Algorithm 1 and Theorem 1; Chen et
-al., arXiv 2302.01318). A draft x ~ q is accepted with probability min(1, p(x) / q(x)); on
-rejection the token is drawn from norm(max(0, p - q)). The result is distributed exactly as p:
-P(x) = min(p, q)(x) + (1 - Σ_y min(p, q)(y)) · (p - min(p, q))(x) / Σ_y (p - min(p, q))(y) =
-p(x), since both sums equal 1 - Σ min(p, q). p and q are the distributions `generate` samples
-from (temperature, top-k, top-p applied to both), so speculative sampling draws from the same
-distribution as plain sampling, though not the same tokens for a seed. Greedy decoding is the
-same rule with one-hot p and q: a draft is accepted iff it is the verifier's argmax, and the
-correction is that argmax, so the tokens equal plain greedy decoding (up to rounding of the
-batched verify forward against one-token steps).
-
-**Trade-offs.** Batch size 1 only. The draft costs D small blocks per round; the acceptance
-rate depends on how well the modules were trained (MTP loss weight, steps), and a random
-draft still gives correct output, only at one token per forward. Numbers are in `Stats`.
+Acceptance (Leviathan et al., arXiv 2211.17192; Chen et al., arXiv 2302.01318): a draft
+x ~ q is accepted with probability min(1, p(x) / q(x)), else the token is drawn from
+norm(max(0, p - q)), which makes the output distributed exactly as p. p and q are what
+`generate` samples from (temperature, top-k, top-p applied to both), so speculative sampling
+draws from the plain sampler's distribution; greedy decoding accepts a draft iff it is the
+verifier's argmax, giving plain greedy's tokens up to rounding. Batch size 1 only; a poorly
+trained draft costs speed, never correctness (`Stats` has the numbers).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """AdamW with decoupled weight decay, and the learning-rate schedules.
 
-Schedules are pure functions of the step, so "the LR schedule's state" in a checkpoint is
-just the step: resuming can never drift from an uninterrupted run.
-
-- cosine: linear warmup to the peak, then half a cosine down to `min_lr_ratio * lr`
-  (Loshchilov & Hutter, arXiv 1608.03983, without restarts).
-- wsd: warmup-stable-decay (Hu et al., MiniCPM, arXiv 2404.06395): warmup, a constant peak,
-  then a linear decay to the floor over the last `decay_fraction` of the steps. A run can be
-  extended from any stable-phase checkpoint by changing only `train.steps`.
-- constant: warmup, then the peak.
+Schedules are pure functions of the step, so resuming cannot drift: cosine (warmup, then half
+a cosine to `min_lr_ratio * lr`; arXiv 1608.03983), wsd (warmup-stable-decay, MiniCPM arXiv
+2404.06395: a run extends from any stable-phase checkpoint by changing `train.steps`) and
+constant.
 """
 
 from __future__ import annotations

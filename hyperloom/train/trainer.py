@@ -1,14 +1,10 @@
 """The single-process training loop.
 
-One optimizer step = `grad_accum` micro-batches of forward + backward under autocast (BF16
-compute, FP32 master weights and Adam state), global-norm clipping, the scheduled LR, AdamW.
-Losses are kept on the device and read back only at log steps, so the loop does not stall
-an accelerator on every step.
-
-Resuming restores the weights, optimizer, step, data-loader position and every RNG stream,
-so N steps + resume + M steps equals N + M uninterrupted steps bit for bit on CPU
-(tests/unit/test_train.py). `train.stop_at_step` ends a run early with a checkpoint while
-keeping the schedule planned for `train.steps`, which is how such a split run is made.
+One optimizer step is `grad_accum` micro-batches under autocast (BF16 compute, FP32 master
+weights and Adam state), global-norm clipping, the scheduled LR and AdamW. Losses stay on the
+device until a log step, so the loop does not stall an accelerator. Resuming restores weights,
+optimizer, step, data position and every RNG stream, so a split run equals an uninterrupted
+one bit for bit on CPU; `train.stop_at_step` makes such a split.
 """
 
 from __future__ import annotations

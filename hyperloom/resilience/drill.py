@@ -114,11 +114,13 @@ def run_drill(
     from hyperloom import checkpoint as ckpt
     from hyperloom.config import load_config
     from hyperloom.resilience.events import read_events
+    from hyperloom.resilience.lock import RunDirLock
 
     if kind not in KINDS:
         raise DrillError(f"unknown drill {kind!r}; drills are: {', '.join(KINDS)}")
     if run_dir.exists():
-        shutil.rmtree(run_dir)
+        with RunDirLock(run_dir).acquire(wait_s=0):  # never a directory a job is using
+            shutil.rmtree(run_dir)
     base = ([config] if config else []) + overrides
     cfg = load_config(config, overrides, world_size=nproc)
     every = cfg.checkpoint.every

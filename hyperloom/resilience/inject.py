@@ -2,12 +2,13 @@
 
 Kinds: `nan_grad`, `loss_spike`, `crash` (`os._exit`, like `kill -9`), `hang`,
 `kill_during_save`, `disk_full` (ENOSPC), `writer_crash` (the async writer raises half-way;
-needs `checkpoint.async_save`). Each fires once per run directory (a marker under
-RUN_DIR/drills/), so a restarted or rolled-back run does not meet it again; save faults strike
-once the first file is on disk. Without `:rN` numeric faults hit every rank and process faults
-rank 0; `HYPERLOOM_INJECT` adds specs. NVIDIA's Resiliency Extension (`inject_fault.py`) and
-Megatron's dist-checkpointing tests inject the same kinds. The spec grammar lives with its
-config section (hyperloom.config.resilience).
+needs `checkpoint.async_save`), `stall_save` (the save stops for `STALL_S` seconds, a window
+for a test to kill the process from outside). Each fires once per run directory (a marker
+under RUN_DIR/drills/), so a restarted or rolled-back run does not meet it again; save faults
+strike once the first file is on disk. Without `:rN` numeric faults hit every rank and
+process faults rank 0; `HYPERLOOM_INJECT` adds specs. NVIDIA's Resiliency Extension
+(`inject_fault.py`) and Megatron's dist-checkpointing tests inject the same kinds. The spec
+grammar lives with its config section (hyperloom.config.resilience).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ if TYPE_CHECKING:  # torch only in annotations: the drills' runtime needs no imp
 
 log = logging.getLogger("hyperloom.resilience")
 
-SAVE_FAULTS = ("kill_during_save", "disk_full", "writer_crash")
+SAVE_FAULTS = ("kill_during_save", "disk_full", "writer_crash", "stall_save")
+STALL_S = 120.0
 SPIKE_FACTOR = 30.0
 CRASH_EXIT = 43  # exit status of an injected crash (distinct from errors, 1, and usage, 2)
 
@@ -89,7 +91,14 @@ class FaultInjector:
             return _disk_full
         if self.faults and self._take("writer_crash", step):
             return _writer_crash
+        if self.faults and self._take("stall_save", step):
+            return _stall
         return None
+
+
+def _stall() -> None:
+    log.warning("drill: the save stalls for %.0f s", STALL_S)
+    time.sleep(STALL_S)
 
 
 def _disk_full() -> None:

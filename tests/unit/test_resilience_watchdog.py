@@ -62,3 +62,14 @@ def test_restart_guard_stops_after_restarts_without_progress(tmp_path, monkeypat
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new launch starts afresh
     assert record_start(tmp_path, 6, limit=2)["gave_up"] is None
     assert gave_up_reason(tmp_path) is None
+
+
+@pytest.mark.parametrize("text", ['{"starts": [{"restart": 0, "st', "", "[1, 2]", '{"a": 1}'])
+def test_a_torn_or_foreign_restart_record_starts_a_fresh_count(tmp_path, monkeypatch, text):
+    """A restarts.json torn by a kill (or not the guard's) must not fail every restart."""
+    (tmp_path / "restarts.json").write_text(text)
+    assert gave_up_reason(tmp_path) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    state = record_start(tmp_path, 4, limit=2)
+    assert (state["stalled"], len(state["starts"])) == (0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["restarts.json"]  # replaced whole

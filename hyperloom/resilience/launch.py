@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hyperloom.resilience.lock import LOCK_ENV, RunDirLock, die_with_parent_hook
+from hyperloom.resilience.lock import AGENT_ENV, LOCK_ENV, RunDirLock, die_with_parent_hook
 from hyperloom.resilience.watchdog import GAVE_UP_EXIT, gave_up_reason
 
 if TYPE_CHECKING:  # torch is imported by the agent only, not by the launcher
@@ -105,6 +105,7 @@ def _agent(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    os.environ[AGENT_ENV] = str(os.getpid())  # the workers' parent (stop_with_parent)
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:

@@ -43,6 +43,7 @@ log = logging.getLogger("hyperloom.resilience")
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "HYPERLOOM_RUN_LOCK"  # the lock file a launcher's workers join
+AGENT_ENV = "HYPERLOOM_AGENT_PID"  # the parent a launcher's workers must have
 STALE_WAIT_S = 30.0  # how long to wait for the processes of a holder that has exited
 PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -257,7 +258,7 @@ def hold_run_dir(run_dir: str | os.PathLike) -> contextlib.AbstractContextManage
     torchrun, takes it; the other ranks of a plain torchrun job rely on rank 0's. A torchrun
     worker also stops when its parent (torchrun's agent) dies."""
     if "LOCAL_RANK" in os.environ:
-        stop_with_parent()
+        stop_with_parent(int(os.environ.get(AGENT_ENV, "0")) or None)
     joined = os.environ.get(LOCK_ENV)
     if joined and joined == str(lock_path(run_dir)):
         return RunDirLock.join(joined)
@@ -283,11 +284,12 @@ def _exited_here(holder: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------------- parent death
 
 
-def stop_with_parent(poll_s: float = PARENT_POLL_S) -> None:
+def stop_with_parent(parent: int | None = None, poll_s: float = PARENT_POLL_S) -> None:
     """End this process when its parent dies: a daemon thread compares os.getppid() with
-    the parent at the start (an orphan is re-parented to init or a subreaper) every
-    `poll_s` seconds and leaves with `os._exit`, as a kill would."""
-    parent = os.getppid()
+    `parent` (by default the parent now; an orphan is re-parented to init or a subreaper)
+    every `poll_s` seconds and leaves with `os._exit`, as a kill would. Naming the parent
+    catches one that died before this call."""
+    parent = parent or os.getppid()
 
     def watch() -> None:
         while True:

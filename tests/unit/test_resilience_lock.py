@@ -132,6 +132,26 @@ def test_a_child_dies_with_its_parent(tmp_path):
     assert not _alive(child)
 
 
+def test_a_worker_stops_when_its_parent_dies(tmp_path):
+    """`stop_with_parent` in the worker: a SIGKILL of torchrun's agent (the middle process
+    here) ends the workers it leaves behind within a second."""
+    code = (
+        "import os, subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import os, time; "
+        "from hyperloom.resilience.lock import stop_with_parent; "
+        "stop_with_parent(int(os.environ[\\'PARENT\\'])); time.sleep(60)'], "
+        "env={**os.environ, 'PARENT': str(os.getpid())}); print(p.pid, flush=True); time.sleep(60)"
+    )
+    middle = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(middle.stdout.readline())
+    middle.kill()  # at once: the child may not be watching yet, and must still stop
+    middle.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting for its reaper has finished)."""
     try:

@@ -3,8 +3,11 @@
 A section is a frozen dataclass whose fields are `knob`s: a default, a one-line doc and,
 optionally, the values it accepts. `build_section` turns a raw dict (from TOML, a preset or
 `--section.key value` overrides) into that dataclass, converting command-line strings with
-the field's annotated type and naming the full dotted key in every error. `dumps_toml`
-prints a whole job back as TOML with the docs as comments.
+the field's annotated type and naming the full dotted key in every error. Every number is
+checked here once, whatever its key: NaN never passes, infinity only where a field says it
+means "never" (`knob(..., inf_ok=True)`), and an integer must fit in 64 bits (sizes, counts
+and seeds all end up in int64 tensors). `dumps_toml` prints a whole job back as TOML with
+the docs as comments.
 
 This module knows no section: `hyperloom.config.job` puts them together.
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
 import sys
 import types
@@ -29,17 +34,39 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+# The largest integer a config key may hold: int64, what torch sizes and seeds are.
+INT_LIMIT = 2**63 - 1
+
+
 class ConfigError(ValueError):
-    """A configuration problem the user can fix; `problems` lists each one."""
+    """A configuration problem the user can fix; `problems` lists each one.
+
+    One problem reads as one line (`invalid configuration: train.lr ...`); several as a list.
+    """
 
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        if len(self.problems) == 1:
+            super().__init__(f"invalid configuration: {self.problems[0]}")
+        else:
+            super().__init__(
+                "invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            )
 
 
-def knob(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None, choices=None):
-    """A config field with its one-line doc and, optionally, the values it accepts."""
-    meta = {"doc": doc, "choices": tuple(choices) if choices else None}
+def knob(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    factory=None,
+    choices=None,
+    inf_ok: bool = False,
+):
+    """A config field with its one-line doc and, optionally, the values it accepts.
+
+    `inf_ok`: a float field for which infinity is meaningful ("never"); NaN never is.
+    """
+    meta = {"doc": doc, "choices": tuple(choices) if choices else None, "inf_ok": inf_ok}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,6 +79,12 @@ def positive(key: str, value: float) -> list[str]:
 
 def type_hints(cls: type) -> dict[str, Any]:
     """A dataclass's field annotations, resolved (the modules use postponed annotations)."""
+    return dict(_type_hints(cls))
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Resolving postponed annotations compiles each one: most of the time of loading a job.
     return typing.get_type_hints(cls)
 
 
@@ -82,7 +115,22 @@ class CliValue(str):
     """A string that came from the command line (so '200' may become an int)."""
 
 
-def _convert(value: Any, typ: Any, key: str) -> Any:
+def _number(value: float, key: str, inf_ok: bool) -> float:
+    """A float that is a number: NaN never, infinity only where `inf_ok`."""
+    if math.isnan(value):
+        raise ConfigError(f"{key} must be a number, got nan")
+    if math.isinf(value) and not inf_ok:
+        raise ConfigError(f"{key} must be finite, got {value}")
+    return value
+
+
+def _integer(value: int, key: str) -> int:
+    if abs(value) > INT_LIMIT:
+        raise ConfigError(f"{key} = {value} is out of range: integers lie within +-(2**63 - 1)")
+    return value
+
+
+def _convert(value: Any, typ: Any, key: str, inf_ok: bool = False) -> Any:
     """Check or convert one value against its annotated type; raise with the key named."""
     origin = typing.get_origin(typ)
     from_cli = isinstance(value, CliValue)
@@ -100,7 +148,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             value = [CliValue(v) if isinstance(v, str) else v for v in value]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_convert(v, item, f"{key}[{i}]", inf_ok) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported config annotation for {key}: {typ}")  # programming error
     if typ is bool:
@@ -117,20 +165,26 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
     if typ is int:
         if from_cli:
             try:
-                return int(value.replace("_", ""))
+                number = int(value.replace("_", ""))
             except ValueError:
                 raise ConfigError(f"{key}: expected an integer, got {str(value)!r}") from None
+            return _integer(number, key)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _integer(value, key)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if typ is float:
         if from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise ConfigError(f"{key}: expected a number, got {str(value)!r}") from None
+            return _number(number, key, inf_ok)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond the float range
+                raise ConfigError(f"{key} must be finite, got {value}") from None
+            return _number(number, key, inf_ok)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if typ is str:
         if isinstance(value, str):
@@ -156,7 +210,7 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             )
             continue
         try:
-            converted = _convert(value, hints[name], key)
+            converted = _convert(value, hints[name], key, fields[name].metadata.get("inf_ok"))
         except ConfigError as exc:
             problems.extend(exc.problems)
             continue
@@ -173,6 +227,8 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a TOML file, turning I/O and syntax errors into `ConfigError`."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory; give a TOML file")
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist")
     try:
@@ -180,6 +236,13 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file '{p}' is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+            f"TOML files are UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{p}' cannot be read: {exc.strerror or exc}") from None
 
 
 def dumps_toml(cfg: Any) -> str:

@@ -32,6 +32,8 @@ class CheckpointConfig:
 
     def problems(self, job: JobConfig) -> list[str]:
         p = []
+        if not self.resume.strip():
+            p.append("checkpoint.resume is empty; use auto, none or a checkpoint path")
         if self.every < 0:
             p.append(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
         return p + positive("checkpoint.keep", self.keep)

@@ -66,6 +66,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         *cfg.parallel.problems(cfg, world_size),
         *cfg.model.family_problems(cfg),
         *cfg.precision.problems(cfg),
+        *cfg.ops.problems(cfg),
     ]
     if p:
         raise ConfigError(p)
@@ -102,11 +103,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return out
 
 
-def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobConfig:
-    """Build and validate a `JobConfig` from raw nested dicts (TOML or overrides).
-
-    `world_size` defaults to torchrun's WORLD_SIZE (1 outside torchrun).
-    """
+def _check_tables(raw: dict[str, Any]) -> None:
+    """Every top-level name a known section, and a table."""
     sections = _section_types()
     problems: list[str] = []
     for name, value in raw.items():
@@ -119,6 +117,16 @@ def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobC
             problems.append(f"'{name}' must be a table ([{name}]), got {value!r}")
     if problems:
         raise ConfigError(problems)
+
+
+def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobConfig:
+    """Build and validate a `JobConfig` from raw nested dicts (TOML or overrides).
+
+    `world_size` defaults to torchrun's WORLD_SIZE (1 outside torchrun).
+    """
+    sections = _section_types()
+    _check_tables(raw)
+    problems: list[str] = []
 
     model_raw = dict(raw.get("model", {}))
     preset = model_raw.get("preset")
@@ -151,6 +159,7 @@ def load_config(
     """The job from an optional TOML file plus dotted overrides, validated (against
     `world_size`, default torchrun's WORLD_SIZE)."""
     raw = read_toml(path) if path else {}
+    _check_tables(raw)  # before the overrides' tables could hide a section of the wrong type
     if overrides:
         raw = deep_merge(raw, parse_overrides(overrides))
     return config_from_dict(raw, world_size)

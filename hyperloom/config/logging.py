@@ -34,6 +34,10 @@ class LoggingConfig:
 
     def problems(self, job: JobConfig) -> list[str]:
         p = positive("logging.log_every", self.log_every)
+        if not self.run_dir.strip():
+            p.append("logging.run_dir is empty; name the directory for this run")
+        if not self.self_check.strip():
+            p.append("logging.self_check is empty; use auto, off or a `plan calibrate` JSON")
         if self.peak_tflops < 0:
             p.append(f"logging.peak_tflops must be >= 0 (0 = measure), got {self.peak_tflops}")
         if self.sample_tokens < 0:

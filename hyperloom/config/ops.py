@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hyperloom.config.base import knob
+
+if TYPE_CHECKING:
+    from hyperloom.config.job import JobConfig
+
+OPS = ("rmsnorm", "swiglu", "rope", "cross_entropy", "attention")  # engine.ops.select.OPS
 
 
 @dataclass(frozen=True)
@@ -29,3 +35,15 @@ class OpsConfig:
         "TRITON_INTERPRET=1; without either, a warning and the fused kernels); off: their "
         "speed against the torch.compile kernels is not measured yet",
     )
+
+    def problems(self, job: JobConfig) -> list[str]:
+        """Known op names; a chunk size of 0 or more."""
+        p = []
+        unknown = [n for n in self.reference if n not in OPS]
+        if unknown:
+            p.append(f"ops.reference: {unknown} are not ops; allowed: {', '.join(OPS)}")
+        if self.ce_chunk_tokens < 0:
+            p.append(
+                f"ops.ce_chunk_tokens must be >= 0 (0 = automatic), got {self.ce_chunk_tokens}"
+            )
+        return p

@@ -72,6 +72,11 @@ class ParallelConfig:
         bad = self.invalid_degrees()
         if bad:
             return [f"parallel.{k} must be >= 1, got {getattr(self, k)}" for k in bad]
+        if self.vpp < 1 or self.microbatches < 0:
+            return [
+                f"parallel.vpp ({self.vpp}) must be >= 1 and parallel.microbatches "
+                f"({self.microbatches}) >= 0 (0 = 2 x pp)"
+            ]
         p = _tensor_parallel_problems(job) + _pipeline_problems(job)
         if self.cp > 1:
             p.append(

@@ -95,8 +95,8 @@ def _layer_problems(job: JobConfig) -> list[str]:
     first, last = p8.fp8_bf16_first_layers, p8.fp8_bf16_last_layers
     if first < 0 or last < 0:
         return [
-            f"precision.fp8_bf16_first_layers ({first}) and fp8_bf16_last_layers ({last}) "
-            f"count transformer blocks: 0 or more"
+            f"precision.fp8_bf16_first_layers ({first}) and precision.fp8_bf16_last_layers "
+            f"({last}) count transformer blocks: 0 or more"
         ]
     if p8.fp8 != "none" and first + last >= n:
         return [

@@ -59,9 +59,9 @@ class TrainConfig:
             p.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             p.append(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
-        if t.schedule == "wsd" and not 0.0 < t.decay_fraction <= 1.0:
+        if not 0.0 < t.decay_fraction <= 1.0:
             p.append(
-                f"train.decay_fraction must lie in (0, 1] for the wsd schedule, "
+                f"train.decay_fraction must lie in (0, 1] (the wsd schedule's decay), "
                 f"got {t.decay_fraction}"
             )
         for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):

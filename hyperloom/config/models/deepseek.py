@@ -8,6 +8,7 @@ other families must leave them at their defaults, and the checks here say so.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,9 +62,12 @@ def deepseek_problems(job: JobConfig) -> list[str]:
     m, par = job.model, job.parallel
     out: list[str] = []
     if m.family != "deepseek":
-        used = [k for k in ("n_routed_experts", "kv_lora_rank", "mtp_depth") if getattr(m, k)]
+        used = [
+            f.name for f in dataclasses.fields(DeepSeekFields) if getattr(m, f.name) != f.default
+        ]
         if used:
-            out.append(f"model.{used[0]} needs model.family = 'deepseek' (got '{m.family}')")
+            keys = ", ".join(f"model.{k}" for k in used)
+            out.append(f"{keys} need model.family = 'deepseek' (got '{m.family}')")
         if par.ep > 1:
             out.append(
                 f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
@@ -106,6 +110,12 @@ def _mla_problems(m: ModelConfig) -> list[str]:
             f"model.mtp_depth ({m.mtp_depth}) and model.mtp_loss_weight ({m.mtp_loss_weight}) "
             f"must be >= 0"
         )
+    # YaRN's ramp is measured in rotations (a logarithm of them): both ends positive.
+    for key in ("yarn_beta_fast", "yarn_beta_slow"):
+        if getattr(m, key) <= 0:
+            out.append(f"model.{key} must be positive (rotations), got {getattr(m, key)}")
+    if m.yarn_mscale < 0:
+        out.append(f"model.yarn_mscale must be >= 0, got {m.yarn_mscale}")
     return out
 
 
@@ -116,6 +126,8 @@ def _moe_problems(m: ModelConfig) -> list[str]:
             f"model.n_dense_layers ({m.n_dense_layers}) must lie in "
             f"[0, model.n_layers ({m.n_layers})]"
         )
+    if m.moe_route_scale <= 0:
+        out.append(f"model.moe_route_scale must be positive, got {m.moe_route_scale}")
     for key in (
         "moe_bias_rate",
         "moe_seq_aux_alpha",

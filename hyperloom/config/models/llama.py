@@ -58,6 +58,9 @@ def decoder_problems(m: ModelConfig) -> list[str]:
         *positive("model.norm_eps", m.norm_eps),
         *positive("model.rope_theta", m.rope_theta),
         *positive("model.init_std", m.init_std),
+        *positive("model.rope_low_freq_factor", m.rope_low_freq_factor),
+        *positive("model.rope_high_freq_factor", m.rope_high_freq_factor),
+        *positive("model.rope_original_max_seq", m.rope_original_max_seq),
     ]
     if m.vocab_size < 2:
         p.append(f"model.vocab_size must be at least 2, got {m.vocab_size}")

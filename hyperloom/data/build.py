@@ -5,7 +5,8 @@ val.npy, info.json) live in a folder named by a hash of everything that determin
 source, the file list with sizes and mtimes, split, subset, vocabulary, eos, tokenizer and
 `tokenizers` version); nothing is invalidated in place. Files are written to temporary names
 and moved into place with `os.replace`, `info.json` last, so concurrent processes see a whole
-cache or none, and racing builders write identical bytes.
+cache or none, and racing builders write identical bytes. A folder whose files do not load
+back whole (a truncated token file) is built again, with a warning: all of it is derived.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from hyperloom.data.corpus import (
 )
 from hyperloom.data.dataset import TokenDataset
 from hyperloom.data.errors import DataError, fmt_int
-from hyperloom.data.tokenizer import TRAIN_CAP_MB, Tokenizer, encode_documents, train_bpe
+from hyperloom.data.tokenizer import (
+    TRAIN_CAP_MB,
+    Tokenizer,
+    encode_documents,
+    tokenizer_file,
+    train_bpe,
+)
 
 logger = logging.getLogger("hyperloom.data")
 
@@ -63,7 +70,7 @@ def _sha256_file(path: Path) -> str:
 
 def cache_key(cfg: Any, files: Sequence[SourceFile], vocab_size: int) -> str:
     """Hex digest of every input that determines the cached tokenizer and token arrays."""
-    user_tok = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
+    user_tok = tokenizer_file(cfg.tokenizer).resolve() if cfg.tokenizer else None
     parts = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
@@ -82,14 +89,30 @@ def cache_key(cfg: Any, files: Sequence[SourceFile], vocab_size: int) -> str:
 
 def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp) on a temp file next to `dest`, then atomically rename it into place."""
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
     try:
-        write(tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            write(tmp)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"cannot write the data cache file {str(dest)!r}: {exc.strerror or exc}; free space "
+            f"there or point data.cache_dir (or $HYPERLOOM_CACHE) at a writable directory"
+        ) from None
+
+
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"cannot create the data cache {str(folder)!r}: {exc.strerror or exc}; "
+            f"data.cache_dir (or $HYPERLOOM_CACHE) must be a writable directory"
+        ) from None
 
 
 def _save_npy(dest: Path, array: np.ndarray) -> None:
@@ -125,16 +148,58 @@ def _check_fits(bundle: DataBundle, seq_len: int) -> None:
             )
 
 
+class _Damaged(Exception):
+    """A cache file that does not load back whole; the message names it."""
+
+
+def _load_tokens(path: Path, name: str, expected: Any, vocab: int) -> TokenDataset:
+    """A cached token file, checked against info.json's count and the tokenizer's ids."""
+    try:
+        ds = TokenDataset.load(path, name)
+    except (OSError, ValueError, EOFError) as exc:  # truncated, not .npy, unreadable
+        raise _Damaged(f"{path}: {exc}") from None
+    if ds.tokens.dtype.kind != "u":
+        raise _Damaged(f"{path}: token ids of dtype {ds.tokens.dtype}, expected unsigned")
+    if len(ds) != expected:
+        raise _Damaged(f"{path}: {fmt_int(len(ds))} tokens, info.json says {expected}")
+    top = int(ds.tokens.max()) if len(ds) else 0
+    if top >= vocab:
+        raise _Damaged(f"{path}: token id {top} outside the tokenizer's {fmt_int(vocab)}")
+    return ds
+
+
 def _load_cached(folder: Path, cfg: Any, user_tok: Tokenizer | None) -> DataBundle:
-    tok = user_tok or Tokenizer.load(folder / "tokenizer.json", cfg.eos_token)
-    info = json.loads((folder / "info.json").read_text())
+    """The cached bundle; `_Damaged` naming the first file that does not load back whole."""
+    try:
+        info = json.loads((folder / "info.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise _Damaged(f"{folder / 'info.json'}: {exc}") from None
+    if not isinstance(info, dict):
+        raise _Damaged(f"{folder / 'info.json'}: a JSON {type(info).__name__}, not an object")
+    try:
+        tok = user_tok or Tokenizer.load(folder / "tokenizer.json", cfg.eos_token)
+    except DataError as exc:
+        raise _Damaged(str(exc)) from None
     info["cache_hit"] = True
     return DataBundle(
         tokenizer=tok,
-        train=TokenDataset.load(folder / "train.npy", "train"),
-        val=TokenDataset.load(folder / "val.npy", "val"),
+        train=_load_tokens(folder / "train.npy", "train", info.get("train_tokens"), tok.vocab_size),
+        val=_load_tokens(folder / "val.npy", "val", info.get("val_tokens"), tok.vocab_size),
         corpus_info=info,
     )
+
+
+def _cached_tokenizer(path: Path, eos_token: str) -> Tokenizer | None:
+    """The tokenizer a previous, interrupted build left, if it loads; else None (train one)."""
+    if not path.is_file():
+        return None
+    try:
+        tok = Tokenizer.load(path, eos_token)
+    except DataError as exc:
+        logger.warning("the cached tokenizer is damaged (%s); training it again", exc)
+        return None
+    logger.info("using cached tokenizer %s", path)
+    return tok
 
 
 def build_data(cfg: Any, vocab_size: int) -> DataBundle:
@@ -147,13 +212,17 @@ def build_data(cfg: Any, vocab_size: int) -> DataBundle:
     # Load a user tokenizer first: a bad tokenizer should fail before minutes of reading.
     user_tok = _load_user_tokenizer(cfg, vocab_size) if cfg.tokenizer else None
     folder = cache_root(cfg) / f"data-{cache_key(cfg, files, vocab_size)[:20]}"
+    _make_folder(folder)
     if (folder / "info.json").is_file():
         logger.info("using cached tokenizer and token arrays from %s", folder)
-        bundle = _load_cached(folder, cfg, user_tok)
-        _check_fits(bundle, cfg.seq_len)
-        return bundle
+        try:
+            bundle = _load_cached(folder, cfg, user_tok)
+        except _Damaged as exc:
+            logger.warning("the data cache is damaged (%s); building it again", exc)
+        else:
+            _check_fits(bundle, cfg.seq_len)
+            return bundle
 
-    folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     docs = select_subset(load_documents(cfg, files), cfg.max_corpus_mb)
     nbytes = sum(d.nbytes for d in docs)
@@ -170,12 +239,11 @@ def build_data(cfg: Any, vocab_size: int) -> DataBundle:
     tok_path = folder / "tokenizer.json"
     if user_tok is not None:
         tok = user_tok
-    elif tok_path.is_file():  # a previous build got this far before stopping
-        logger.info("using cached tokenizer %s", tok_path)
-        tok = Tokenizer.load(tok_path, cfg.eos_token)
     else:
-        tok = train_bpe(train_docs, vocab_size, cfg.eos_token)
-        _atomic_write(tok_path, tok.save)
+        tok = _cached_tokenizer(tok_path, cfg.eos_token)
+        if tok is None:
+            tok = train_bpe(train_docs, vocab_size, cfg.eos_token)
+            _atomic_write(tok_path, tok.save)
 
     t0 = time.perf_counter()
     train = encode_documents(tok, train_docs)
@@ -206,7 +274,10 @@ def build_data(cfg: Any, vocab_size: int) -> DataBundle:
     }
     # Written last: its presence is what marks the folder as complete.
     _atomic_write(folder / "info.json", lambda p: p.write_text(json.dumps(info, indent=2)))
-    bundle = _load_cached(folder, cfg, user_tok)
+    try:
+        bundle = _load_cached(folder, cfg, user_tok)
+    except _Damaged as exc:  # what was just written does not read back: the disk is at fault
+        raise DataError(f"the data cache just written does not read back: {exc}") from None
     bundle.corpus_info["cache_hit"] = False
     _check_fits(bundle, cfg.seq_len)
     return bundle

@@ -153,16 +153,24 @@ def load_documents(cfg: Any, files: Sequence[SourceFile] | None = None) -> list[
     files = resolve_files(cfg) if files is None else files
     docs: list[Document] = []
     for f in files:
-        if cfg.source == "stdlib":
-            text = _read_text(f)
-            if text.strip():
-                docs.append(Document(f.name, text))
-        elif cfg.source == "text":
-            docs.extend(_text_documents(f, cfg.eos_token))
-        else:
-            docs.extend(_jsonl_documents(f, cfg.text_field))
+        try:
+            if cfg.source == "stdlib":
+                text = _read_text(f)
+                if text.strip():
+                    docs.append(Document(f.name, text))
+            elif cfg.source == "text":
+                docs.extend(_text_documents(f, cfg.eos_token))
+            else:
+                docs.extend(_jsonl_documents(f, cfg.text_field))
+        except OSError as exc:  # unreadable: permissions, a directory, an I/O error
+            raise DataError(
+                f"cannot read data file {str(f.path)!r}: {exc.strerror or exc}"
+            ) from None
     if not docs:
-        raise DataError(f"the {cfg.source!r} corpus is empty: {len(files)} file(s), no text found")
+        names = ", ".join(repr(str(f.path)) for f in files[:3]) + (
+            ", ..." if len(files) > 3 else ""
+        )
+        raise DataError(f"the {cfg.source!r} corpus is empty: no text found in {names}")
     return docs
 
 

@@ -58,11 +58,13 @@ class Tokenizer:
         """Write the tokenizer as a `tokenizer.json` file (HF tokenizers format)."""
         self.backend.save(str(path))
 
+    def to_json(self) -> bytes:
+        """The bytes `save` writes, without a file (a checkpoint stores them as they are)."""
+        return self.backend.to_str(pretty=True).encode("utf-8")
+
     @classmethod
     def load(cls, path: str | Path, eos_token: str = "<|endoftext|>") -> Tokenizer:
-        path = Path(path).expanduser()
-        if path.is_dir():
-            path = path / "tokenizer.json"
+        path = tokenizer_file(path)
         if not path.is_file():
             raise DataError(
                 f"tokenizer file {str(path)!r} does not exist (expected tokenizer.json)"
@@ -70,7 +72,11 @@ class Tokenizer:
         try:
             backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception on parse errors
-            raise DataError(f"cannot read tokenizer {str(path)!r}: {e}") from e
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise DataError(
+                f"cannot read tokenizer {str(path)!r}: {reason} (expected a Hugging Face "
+                f"tokenizer.json)"
+            ) from None
         try:
             return cls(backend, eos_token)
         except DataError as e:
@@ -78,6 +84,12 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}:{self.eos_id})"
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json a path names: the file itself, or the one in that directory."""
+    path = Path(path).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
 
 
 def _training_texts(docs: Sequence[Document], cap_mb: float) -> tuple[list[str], int]:

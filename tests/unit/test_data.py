@@ -344,3 +344,63 @@ def test_env_cache_dir(tmp_path, monkeypatch):
     assert build_mod.cache_root(cfg) == tmp_path / "envcache"
     monkeypatch.delenv("HYPERLOOM_CACHE")
     assert build_mod.cache_root(cfg) == Path(os.path.expanduser("~/.cache/hyperloom"))
+
+
+# --- a cache that is not a directory, or not whole ----------------------------------------
+
+
+def test_error_cache_dir_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    cfg = make_cfg(tmp_path, cache_dir=str(tmp_path / "afile"))
+    with pytest.raises(
+        DataError, match=r"cannot create the data cache '.*afile/data-.*data\.cache_dir"
+    ):
+        build_data(cfg, VOCAB)
+
+
+def _damage_truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "name,damage",
+    [
+        ("train.npy", _damage_truncate),
+        ("val.npy", lambda p: p.write_bytes(b"")),
+        ("train.npy", lambda p: p.write_bytes(os.urandom(300))),
+        ("val.npy", lambda p: np.save(p, np.arange(4, dtype=np.float32))),
+        ("train.npy", lambda p: np.save(p, np.full(50, 60000, dtype=np.uint16))),
+        ("info.json", lambda p: p.write_text("[1, 2]")),
+        ("info.json", _damage_truncate),
+        ("tokenizer.json", _damage_truncate),
+    ],
+    ids=["truncated", "empty", "binary", "float-ids", "ids-outside-vocab", "json-list",
+         "truncated-info", "truncated-tokenizer"],
+)  # fmt: skip
+def test_a_damaged_cache_is_built_again(tmp_path, caplog, name, damage):
+    write_text_corpus(tmp_path / "corpus")
+    cfg = make_cfg(tmp_path, source="text", paths=[str(tmp_path / "corpus")], seq_len=16)
+    first = build_data(cfg, VOCAB)
+    folder = Path(first.corpus_info["cache_dir"])
+    train, val = np.array(first.train.tokens), np.array(first.val.tokens)
+    del first  # the memory maps, before their files change
+    damage(folder / name)
+    with caplog.at_level("WARNING", logger="hyperloom.data"):
+        again = build_data(cfg, VOCAB)
+    assert not again.corpus_info["cache_hit"]
+    assert name in caplog.text and "damaged" in caplog.text
+    assert np.array_equal(again.train.tokens, train) and np.array_equal(again.val.tokens, val)
+    assert build_data(cfg, VOCAB).corpus_info["cache_hit"]  # whole again
+
+
+def test_user_tokenizer_given_as_its_directory(stdlib_build, tmp_path):
+    _, b = stdlib_build
+    b.tokenizer.save(tmp_path / "tokenizer.json")
+    ub = build_data(make_cfg(tmp_path, tokenizer=str(tmp_path)), VOCAB)
+    assert ub.tokenizer.vocab_size == VOCAB
+
+
+def test_tokenizer_to_json_is_what_save_writes(stdlib_build, tmp_path):
+    _, b = stdlib_build
+    b.tokenizer.save(tmp_path / "tokenizer.json")
+    assert (tmp_path / "tokenizer.json").read_bytes() == b.tokenizer.to_json()

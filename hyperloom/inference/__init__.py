@@ -3,21 +3,27 @@ multi-token-prediction modules, speculative decoding with them as the draft
 (`speculative`)."""
 
 from hyperloom.inference.generate import (
+    GenerationError,
     LoadedModel,
+    check_sampling,
     complete,
     decode_length,
     filter_logits,
     generate,
     load_for_inference,
+    require_sampling,
     sample_next,
 )
 
 __all__ = [
+    "GenerationError",
     "LoadedModel",
+    "check_sampling",
     "complete",
     "decode_length",
     "filter_logits",
     "generate",
     "load_for_inference",
+    "require_sampling",
     "sample_next",
 ]

@@ -8,6 +8,7 @@ the reference the cached path is tested against (greedy decoding gives the same 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -17,13 +18,44 @@ import torch
 
 from hyperloom import checkpoint as ckpt
 from hyperloom.accelerator import DTYPES, Accelerator, get_accelerator
-from hyperloom.config import JobConfig, config_from_dict, read_toml
+from hyperloom.config import ConfigError, JobConfig, config_from_dict, read_toml
 from hyperloom.data import Tokenizer
 from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.models.llama import KVCache
 from hyperloom.models.registry import build_model
 
 log = logging.getLogger("hyperloom.generate")
+
+
+class GenerationError(ValueError):
+    """A prompt or a sampling setting generation cannot work with; the message says why."""
+
+
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int = 0
+) -> list[tuple[str, str]]:
+    """(argument, what is wrong with it) for each argument out of range; empty if all fit."""
+    out = []
+    if max_new_tokens < 0:
+        out.append(("max_new_tokens", f"must be >= 0, got {max_new_tokens}"))
+    if not (math.isfinite(temperature) and temperature >= 0):
+        out.append(("temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature}"))
+    if top_k < 0:
+        out.append(("top_k", f"must be >= 0 (0 = off), got {top_k}"))
+    if not 0 < top_p <= 1:  # top_p = 0 would keep no token at all
+        out.append(("top_p", f"must lie in (0, 1] (1 = off), got {top_p}"))
+    if not -(2**63) <= seed < 2**64:
+        out.append(("seed", f"must fit in 64 bits, got {seed}"))
+    return out
+
+
+def require_sampling(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int = 0
+) -> None:
+    """`check_sampling`, raising `GenerationError` for the first argument out of range."""
+    problems = check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    if problems:
+        raise GenerationError(f"{problems[0][0]} {problems[0][1]}")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -58,10 +90,13 @@ def sample_next(
 def decode_length(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> int:
     """Length of prompt + continuation, capped at model.max_seq_len; rejects unusable prompts."""
     if not prompt:
-        raise ValueError("the prompt encodes to zero tokens; give at least one character")
+        raise GenerationError("the prompt encodes to zero tokens; give at least one character")
     limit = model.cfg.max_seq_len
     if len(prompt) >= limit:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's limit is {limit}")
+        raise GenerationError(
+            f"the prompt has {len(prompt)} tokens; the model's limit is {limit} "
+            f"(model.max_seq_len), the continuation included: shorten the prompt"
+        )
     return min(limit, len(prompt) + max_new_tokens)
 
 
@@ -81,6 +116,7 @@ def generate(
     dtype: torch.dtype = torch.float32,
 ) -> list[int]:
     """Continue `prompt`; stops at `max_new_tokens`, at `eos_id`, or at model.max_seq_len."""
+    require_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     acc = acc or Accelerator("cpu")
     total = decode_length(model, prompt, max_new_tokens)
     model.eval()
@@ -123,12 +159,12 @@ def load_for_inference(path: str | os.PathLike, device: str = "auto") -> LoadedM
     """Model + tokenizer + config from a checkpoint directory or a run directory."""
     ckpt_dir = ckpt.resolve_checkpoint(path)
     ckpt.verify_checkpoint(ckpt_dir)
-    raw = read_toml(ckpt_dir / "config.toml")
-    p = raw.get("parallel", {})
-    world = 1
-    for k in ("dp", "tp", "pp", "cp"):
-        world *= int(p.get(k, 1))
-    cfg = config_from_dict(raw, world_size=world)
+    try:
+        raw = read_toml(ckpt_dir / "config.toml")
+        raw.pop("parallel", None)  # the layout that trained it: decoding runs in one process
+        cfg = config_from_dict(raw, world_size=1)
+    except ConfigError as exc:
+        raise ckpt.CheckpointError(f"{ckpt_dir / 'config.toml'}: {exc}") from None
     acc = get_accelerator(device)
     model = build_model(cfg.model).materialize(acc.device, seed=0)
     # Decoding calls the model with a new shape per step (prompt, then one token): compiling

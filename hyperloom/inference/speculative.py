@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperloom.accelerator import Accelerator
-from hyperloom.inference.generate import decode_length, filter_logits
+from hyperloom.inference.generate import decode_length, filter_logits, require_sampling
 from hyperloom.models.deepseek.mla import MLACache
 
 
@@ -209,6 +209,7 @@ def generate(
     depth = len(getattr(model, "mtp", ()))
     if depth == 0:
         raise ValueError("speculative decoding drafts with the MTP modules; the model has none")
+    require_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     acc = acc or Accelerator("cpu")
     total = decode_length(model, prompt, max_new_tokens)
     model.eval()

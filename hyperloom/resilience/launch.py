@@ -22,8 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hyperloom.resilience.lock import AGENT_ENV, LOCK_ENV, RunDirLock, die_with_parent_hook
@@ -35,7 +33,7 @@ if TYPE_CHECKING:  # torch is imported by the agent only, not by the launcher
 log = logging.getLogger("hyperloom")
 
 USER_ERROR_EXIT = 2  # a rank's status for a user error; the CLI's for one line of error
-REPORT_ENV = "HYPERLOOM_AGENT_REPORT"  # where the agent writes how the group failed
+REPORT_ENV = "HYPERLOOM_AGENT_REPORT"  # the pipe the agent tells a failed group into
 
 
 def launch(train_args: list[str], run_dir: str | os.PathLike, nproc: int, max_restarts: int) -> int:
@@ -43,50 +41,61 @@ def launch(train_args: list[str], run_dir: str | os.PathLike, nproc: int, max_re
     failed group up to `max_restarts` times; the CLI's exit status."""
     cmd = [sys.executable, "-m", "hyperloom.resilience.launch", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "-m", "hyperloom", "train", *train_args]
-    fd, report = tempfile.mkstemp(prefix="hyperloom-agent-", suffix=".txt")
-    os.close(fd)
-    try:
-        with RunDirLock(run_dir).acquire() as lock:
-            lock.share()  # the workers join it
-            log.info("launching: torchrun %s", " ".join(cmd[3:]))
-            for attempt in range(max_restarts + 1):
-                if attempt:
-                    lock.wait_alone()  # no process of the failed attempt is left
-                Path(report).write_text("")
-                env = {
-                    **os.environ,
-                    "HYPERLOOM_RESTART_COUNT": str(attempt),
-                    LOCK_ENV: str(lock.path),
-                    REPORT_ENV: report,
-                }
-                rc = subprocess.call(cmd, env=env, preexec_fn=die_with_parent_hook())
-                reason = gave_up_reason(run_dir) if max_restarts else None
-                if reason:  # the restart guard saw no progress: restarting would not help
-                    print(f"hyperloom train: gave up: {reason}", file=sys.stderr)
-                    return GAVE_UP_EXIT
-                if rc == 0:
-                    return 0
-                if rc == USER_ERROR_EXIT:  # the ranks said why; a restart would not help
-                    return USER_ERROR_EXIT
-                what = Path(report).read_text() or f"torchrun exited with status {rc}"
-                if attempt == max_restarts:
-                    after = f" after {attempt} restart(s)" if attempt else ""
-                    print(
-                        f"hyperloom train: error: the process group failed{after}: {what}; the "
-                        f"same command resumes from the newest checkpoint"
-                        + ("" if max_restarts else " (--max-restarts R restarts it by itself)"),
-                        file=sys.stderr,
-                    )
-                    return USER_ERROR_EXIT
-                log.warning(
-                    "the process group failed: %s; restart %d of %d",
-                    what,
-                    attempt + 1,
-                    max_restarts,
+    with RunDirLock(run_dir).acquire() as lock:
+        lock.share()  # the workers join it
+        log.info("launching: torchrun %s", " ".join(cmd[3:]))
+        for attempt in range(max_restarts + 1):
+            if attempt:
+                lock.wait_alone()  # no process of the failed attempt is left
+            env = {**os.environ, "HYPERLOOM_RESTART_COUNT": str(attempt), LOCK_ENV: str(lock.path)}
+            rc, what = _run_agent(cmd, env)
+            reason = gave_up_reason(run_dir) if max_restarts else None
+            if reason:  # the restart guard saw no progress: restarting would not help
+                print(f"hyperloom train: gave up: {reason}", file=sys.stderr)
+                return GAVE_UP_EXIT
+            if rc == 0:
+                return 0
+            if rc == USER_ERROR_EXIT:  # the ranks said why; a restart would not help
+                return USER_ERROR_EXIT
+            what = what or f"torchrun exited with status {rc}"
+            if attempt == max_restarts:
+                after = f" after {attempt} restart(s)" if attempt else ""
+                print(
+                    f"hyperloom train: error: the process group failed{after}: {what}; the same "
+                    f"command resumes from the newest checkpoint"
+                    + ("" if max_restarts else " (--max-restarts R restarts it by itself)"),
+                    file=sys.stderr,
                 )
-    finally:
-        os.unlink(report)
+                return USER_ERROR_EXIT
+            log.warning(
+                "the process group failed: %s; restart %d of %d", what, attempt + 1, max_restarts
+            )
     return USER_ERROR_EXIT
+
+
+def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run the agent to its end: (exit status, its one line on a failed group or ""). The
+    line comes through a pipe (REPORT_ENV names the agent's end), so nothing is left on
+    disk whatever kills whom."""
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            env={**env, REPORT_ENV: str(write)},
+            pass_fds=(write,),
+            preexec_fn=die_with_parent_hook(),
+        )
+        os.close(write)
+        write = -1
+        rc = proc.wait()
+        chunks = []
+        while chunk := os.read(read, 4096):  # EOF: the agent (the only writer) has exited
+            chunks.append(chunk)
+        return rc, b"".join(chunks).decode(errors="replace").strip()
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
 
 
 def _first(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
@@ -114,7 +123,7 @@ def _agent(argv: list[str]) -> int:
         how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with status {code}"
         what = f"rank {rank} (pid {failure.pid}) {how}"
         if os.environ.get(REPORT_ENV):
-            Path(os.environ[REPORT_ENV]).write_text(what)
+            os.write(int(os.environ[REPORT_ENV]), what.encode())
         else:
             print(f"torchrun: {what}", file=sys.stderr)
         return code if code > 0 else 1

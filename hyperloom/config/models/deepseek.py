@@ -66,8 +66,11 @@ def deepseek_problems(job: JobConfig) -> list[str]:
             f.name for f in dataclasses.fields(DeepSeekFields) if getattr(m, f.name) != f.default
         ]
         if used:
-            keys = ", ".join(f"model.{k}" for k in used)
-            out.append(f"{keys} need model.family = 'deepseek' (got '{m.family}')")
+            also = ", ".join(f"model.{k}" for k in used[1:])
+            out.append(
+                f"model.{used[0]} needs model.family = 'deepseek' (got '{m.family}')"
+                + (f"; so do {also}" if also else "")
+            )
         if par.ep > 1:
             out.append(
                 f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "

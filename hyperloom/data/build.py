@@ -152,8 +152,9 @@ class _Damaged(Exception):
     """A cache file that does not load back whole; the message names it."""
 
 
-def _load_tokens(path: Path, name: str, expected: Any, vocab: int) -> TokenDataset:
-    """A cached token file, checked against info.json's count and the tokenizer's ids."""
+def _load_tokens(path: Path, name: str, expected: Any) -> TokenDataset:
+    """A cached token file, checked against info.json's count (its pages stay unread: a
+    memory map costs page cache only as training reaches it)."""
     try:
         ds = TokenDataset.load(path, name)
     except (OSError, ValueError, EOFError) as exc:  # truncated, not .npy, unreadable
@@ -162,9 +163,6 @@ def _load_tokens(path: Path, name: str, expected: Any, vocab: int) -> TokenDatas
         raise _Damaged(f"{path}: token ids of dtype {ds.tokens.dtype}, expected unsigned")
     if len(ds) != expected:
         raise _Damaged(f"{path}: {fmt_int(len(ds))} tokens, info.json says {expected}")
-    top = int(ds.tokens.max()) if len(ds) else 0
-    if top >= vocab:
-        raise _Damaged(f"{path}: token id {top} outside the tokenizer's {fmt_int(vocab)}")
     return ds
 
 
@@ -183,8 +181,8 @@ def _load_cached(folder: Path, cfg: Any, user_tok: Tokenizer | None) -> DataBund
     info["cache_hit"] = True
     return DataBundle(
         tokenizer=tok,
-        train=_load_tokens(folder / "train.npy", "train", info.get("train_tokens"), tok.vocab_size),
-        val=_load_tokens(folder / "val.npy", "val", info.get("val_tokens"), tok.vocab_size),
+        train=_load_tokens(folder / "train.npy", "train", info.get("train_tokens")),
+        val=_load_tokens(folder / "val.npy", "val", info.get("val_tokens")),
         corpus_info=info,
     )
 

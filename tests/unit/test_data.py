@@ -369,12 +369,12 @@ def _damage_truncate(path: Path) -> None:
         ("val.npy", lambda p: p.write_bytes(b"")),
         ("train.npy", lambda p: p.write_bytes(os.urandom(300))),
         ("val.npy", lambda p: np.save(p, np.arange(4, dtype=np.float32))),
-        ("train.npy", lambda p: np.save(p, np.full(50, 60000, dtype=np.uint16))),
+        ("train.npy", lambda p: np.save(p, np.arange(50, dtype=np.uint16))),
         ("info.json", lambda p: p.write_text("[1, 2]")),
         ("info.json", _damage_truncate),
         ("tokenizer.json", _damage_truncate),
     ],
-    ids=["truncated", "empty", "binary", "float-ids", "ids-outside-vocab", "json-list",
+    ids=["truncated", "empty", "binary", "float-ids", "wrong-length", "json-list",
          "truncated-info", "truncated-tokenizer"],
 )  # fmt: skip
 def test_a_damaged_cache_is_built_again(tmp_path, caplog, name, damage):

@@ -118,8 +118,10 @@ def train_bpe(
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    # Each merge joins at least one pair of the text, so there are at most nbytes merges; the
+    # trainer sizes its tables by vocab_size, and a huge one would exhaust memory first.
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=min(vocab_size, _BYTE_ALPHABET + 1 + nbytes),
         special_tokens=[eos_token],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -404,3 +404,14 @@ def test_tokenizer_to_json_is_what_save_writes(stdlib_build, tmp_path):
     _, b = stdlib_build
     b.tokenizer.save(tmp_path / "tokenizer.json")
     assert (tmp_path / "tokenizer.json").read_bytes() == b.tokenizer.to_json()
+
+
+def test_a_huge_vocab_size_stops_where_the_corpus_does():
+    """The BPE trainer sizes its tables by vocab_size: 1e11 aborted the process (out of
+    memory in Rust). No corpus allows more merges than it has bytes."""
+    from hyperloom.data import Document
+    from hyperloom.data.tokenizer import train_bpe
+
+    docs = [Document(str(i), f"def f{i}(x): return x * {i}\n" * 5) for i in range(20)]
+    tok = train_bpe(docs, 10**11, EOS)
+    assert 257 <= tok.vocab_size <= 257 + sum(d.nbytes for d in docs)

@@ -22,6 +22,7 @@ from hyperloom.checkpoint.layout import (
     checkpoint_root,
     checkpoint_step,
     committed_steps,
+    describe_failure,
     is_sharded,
     latest_checkpoint,
     list_checkpoints,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from hyperloom.checkpoint.rng import restore_rng, rng_state
+    from hyperloom.checkpoint.state import nonfinite_state
     from hyperloom.checkpoint.whole import load_train_state, load_weights, save_checkpoint
     from hyperloom.checkpoint.writer import CheckpointWriter, Writer
     from hyperloom.parallel.layout import ParallelModel
@@ -48,6 +50,7 @@ __getattr__ = lazy_attributes(
         "load_train_state": "hyperloom.checkpoint.whole",
         "load_weights": "hyperloom.checkpoint.whole",
         "save_checkpoint": "hyperloom.checkpoint.whole",
+        "nonfinite_state": "hyperloom.checkpoint.state",
         "CheckpointWriter": "hyperloom.checkpoint.writer",
         "Writer": "hyperloom.checkpoint.writer",
     },
@@ -61,6 +64,7 @@ __all__ = [
     "checkpoint_root",
     "checkpoint_step",
     "committed_steps",
+    "describe_failure",
     "is_sharded",
     "latest_checkpoint",
     "latest_verified",
@@ -69,6 +73,7 @@ __all__ = [
     "load_state",
     "load_train_state",
     "load_weights",
+    "nonfinite_state",
     "open_writer",
     "resolve_checkpoint",
     "restore_rng",
@@ -85,7 +90,7 @@ def open_writer(
     run_dir: str | os.PathLike,
     keep: int,
     async_save: bool,
-    on_failure: Callable[[int, BaseException], None] | None = None,
+    on_failure: Callable[[int, BaseException, bool], None] | None = None,
 ) -> Writer:
     """The writer of checkpoint format `fmt` ("whole" or "sharded"; `checkpoint.format`).
     A sharded writer makes the process group of its saves: open it on every rank alike."""

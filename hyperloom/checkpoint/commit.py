@@ -13,15 +13,14 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from hyperloom.checkpoint.layout import (
-    STEP_RE,
     CheckpointError,
     checkpoint_dir,
+    checkpoint_entries,
     checkpoint_root,
     checkpoint_step,
     list_checkpoints,
@@ -84,7 +83,8 @@ def commit(
 ) -> Path:
     """Publish `step_N.tmp/`, whose files are all written and fsynced: write the commit
     record `meta.json` (with the SHA-256 manifest) last, rename the directory into place,
-    fsync the parent, then prune to the newest `keep` (sparing the steps in `protect`)."""
+    fsync the parent, then prune older checkpoints to leave `keep` with this one (sparing
+    the steps in `protect`)."""
     root = checkpoint_root(run_dir)
     tmp, final = staging_dir(run_dir, step), checkpoint_dir(run_dir, step)
     hashes = dict(sorted(hashes.items()))
@@ -96,8 +96,11 @@ def commit(
     os.replace(tmp, final)
     _fsync(root)
     log.info("saved checkpoint %s", final)
-    committed = list_checkpoints(run_dir)
-    for old in committed[:-keep]:
+    # Pruning counts back from this checkpoint: it and the `keep - 1` before it stay. Newer
+    # ones (a run resumed from an older checkpoint) are another timeline's, never this
+    # save's to delete, and this save is never pruned because they exist.
+    older = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) < step]
+    for old in older[: max(0, len(older) - (keep - 1))]:
         if checkpoint_step(old) not in protect:
             shutil.rmtree(old, ignore_errors=True)
     for dead in root.glob("step_*.tmp"):  # saves of earlier steps that never finished
@@ -106,36 +109,107 @@ def commit(
     return final
 
 
+# Files a commit record's manifest must name: the weights of either format and the state.
+WEIGHT_FILES = ("model.safetensors", ".metadata")
+TRAIN_STATE = "train_state.pt"
+LOADED = (*WEIGHT_FILES, TRAIN_STATE)  # with DCP's *.distcp shards: what a load reads
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's commit record, checked for shape: a JSON object whose `sha256` maps each
+    file name to its hex digest and names the weights and `train_state.pt`. Anything else
+    (unreadable, not JSON, another JSON type, no manifest) is a CheckpointError that names
+    `ckpt`: a record that vouches for nothing must not let its files be loaded."""
+    try:
+        raw = (ckpt / "meta.json").read_bytes()
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: cannot read meta.json: {exc.strerror or exc}"
+        ) from None
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"checkpoint {ckpt}: meta.json is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"checkpoint {ckpt}: meta.json holds a JSON {type(meta).__name__}, not the commit "
+            f"record (an object)"
+        )
+    manifest = meta.get("sha256")
+    if not isinstance(manifest, dict) or not manifest:
+        raise CheckpointError(f"checkpoint {ckpt}: meta.json has no SHA-256 manifest")
+    for name, digest in manifest.items():
+        if (
+            not isinstance(digest, str)
+            or len(digest) != 64
+            or "/" in name
+            or "\\" in name
+            or name in ("", ".", "..", "meta.json")
+        ):
+            raise CheckpointError(
+                f"checkpoint {ckpt}: meta.json's SHA-256 manifest has a bad entry {name!r}"
+            )
+    if TRAIN_STATE not in manifest or not any(w in manifest for w in WEIGHT_FILES):
+        raise CheckpointError(
+            f"checkpoint {ckpt}: meta.json's SHA-256 manifest does not cover the weights and "
+            f"{TRAIN_STATE} (it names {sorted(manifest)})"
+        )
+    return meta
+
+
 def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
-    """Check every file against the SHA-256 in meta.json; return the meta."""
-    meta = json.loads((ckpt / "meta.json").read_text())
-    for name, digest in meta.get("sha256", {}).items():
+    """Check every file against the SHA-256 manifest in meta.json (`read_meta`); return the
+    meta. Every failure, unreadable files included, is a CheckpointError naming `ckpt`."""
+    meta = read_meta(ckpt)
+    try:  # every file a load reads is vouched for, not only those the record names
+        loaded = [f.name for f in ckpt.iterdir() if f.name in LOADED or f.suffix == ".distcp"]
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {exc.strerror or exc}") from None
+    unlisted = sorted(set(loaded) - set(meta["sha256"]))
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: {', '.join(unlisted)} not covered by meta.json's SHA-256 manifest"
+        )
+    for name, digest in meta["sha256"].items():
         f = ckpt / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
-        if _sha256(f) != digest:
+        try:
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
+            ok = _sha256(f) == digest
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: cannot read {name}: {exc.strerror or exc}"
+            ) from None
+        if not ok:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its SHA-256")
     return meta
 
 
 def latest_verified(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
     """The newest committed checkpoint whose files match their SHA-256, and a sentence for
-    each newer directory that was passed over (uncommitted or corrupted)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return None, []
-    found = [p for p in root.iterdir() if p.is_dir() and re.match(r"^step_\d{8}", p.name)]
+    each newer directory that was passed over (uncommitted, unreadable or corrupted), each
+    naming that directory."""
     rejected = []
+    found = checkpoint_entries(run_dir)
     for ckpt in sorted(found, key=lambda p: (p.name[:13], p.name), reverse=True):
-        if not STEP_RE.match(ckpt.name) or not (ckpt / "meta.json").is_file():
+        if ckpt.name.endswith(".tmp"):
+            rejected.append(f"{ckpt.name} is not committed (no meta.json): an interrupted save")
+            continue
+        try:
+            os.listdir(ckpt)
+            committed = (ckpt / "meta.json").exists()
+        except OSError as exc:  # no read or search permission
+            rejected.append(f"{ckpt.name} cannot be read ({exc.strerror or exc})")
+            continue
+        if not committed:
             # A step_N/ was renamed into place with its meta.json: the record was lost since.
-            tmp = ckpt.name.endswith(".tmp")
-            how = "an interrupted save" if tmp else "its commit record is gone"
-            rejected.append(f"{ckpt.name} is not committed (no meta.json): {how}")
+            rejected.append(
+                f"{ckpt.name} is not committed (no meta.json): its commit record is gone"
+            )
             continue
         try:
             verify_checkpoint(ckpt)
             return ckpt, rejected
-        except (CheckpointError, ValueError, OSError) as exc:
+        except CheckpointError as exc:
             rejected.append(str(exc))
     return None, rejected

@@ -11,15 +11,18 @@ pieces it needs and DCP reads the overlapping bytes; one process loads whole ten
 DCP is PyTorch's own format for this (torchtitan uses it) and does the resharding arithmetic.
 
 The commit protocol is ours: DCP's `.metadata` carries no checksums and DCP expects an empty
-directory. The main rank empties `step_N.tmp/`; every rank writes its shards there (or via
-`dcp.async_save` in the background), hashes them, and all ranks exchange (ok, hashes); only if
-all succeeded does the main rank write the small files and `meta.json` last, rename and prune
-(`commit`), then tell every rank. Background saves use their own gloo group, so their
+directory. The main rank empties `step_N.tmp/`; every rank writes its shards there (in the
+background: DCP's staging, then `dcp.save` in a thread of ours, which is what `dcp.async_save`
+does, kept in hand so that a failed write can be retried), hashes them, and all ranks exchange
+(ok, hashes); only if all succeeded does the main rank write the small files and `meta.json`
+last, rename and prune (`commit`), then tell every rank. A failure is thus known to every rank,
+which all retry once together. Background saves use their own gloo group, so their
 collectives never interleave with training's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
@@ -33,12 +36,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hyperloom.checkpoint.commit import commit, hash_files, write_files
 from hyperloom.checkpoint.layout import (
     CheckpointError,
     checkpoint_dir,
+    discard_staging,
     fresh_staging_dir,
     staging_dir,
 )
@@ -258,6 +263,44 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
+class _Stream:
+    """A file DCP writes through that keeps the OSError of a failed write: torch.save inside
+    DCP reports it only as "[enforce fail at inline_container.cc] unexpected pos"."""
+
+    def __init__(self, f, errors: list[OSError]) -> None:
+        self._f, self._errors = f, errors
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self._errors.append(exc)
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self._errors.append(exc)
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # tell, seek, fileno, close ...
+        return getattr(self._f, name)
+
+
+class _FileSystem(FileSystem):
+    """DCP's local file system, whose streams keep their write errors (`_Stream`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as f:
+            yield _Stream(f, self.errors)
+
+
 class _ShardWriter(dcp.FileSystemWriter):
     """DCP's file writer (fsynced), with a drill hook: `after_first_file` runs once this
     rank's shard files are written, inside DCP's write step (for async saves, DCP's
@@ -266,6 +309,7 @@ class _ShardWriter(dcp.FileSystemWriter):
 
     def __init__(self, path: Path, after_first_file: Callable[[], None] | None) -> None:
         super().__init__(str(path), sync_files=True)
+        self.fs = _FileSystem()
         self.after_first_file = after_first_file
 
     def write_data(self, plan, planner):
@@ -302,57 +346,102 @@ class ShardedCheckpointWriter(CheckpointWriter):
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         if self.rank == 0:
-            fresh_staging_dir(self.run_dir, step)
             buf = io.BytesIO()
             torch.save(train_state, buf)  # small; serialised now, before training moves on
             extra_files = {**extra_files, "train_state.pt": buf.getvalue()}
-        if self.distributed:
-            dist.barrier(group=self.group)  # the directory exists and is empty
-        writer = _ShardWriter(staging_dir(self.run_dir, step), after_first_file)
-        kw = dict(storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
-        finish = (step, extra_files, meta, protect)
+        finish = (step, extra_files, meta, protect, after_first_file)
         if self.async_save:
-            future = dcp.async_save(model_state, **kw)  # staged to CPU when it returns
+            # DCP's own staging, as `dcp.async_save` does it (private CPU copies), kept here
+            # so that a failed write can be retried from the same copy.
+            staged = _ShardWriter(staging_dir(self.run_dir, step), None).stage(model_state)
             self._thread = threading.Thread(
                 target=self._finish,
-                args=(future.result, *finish),
+                args=(staged, *finish),
                 name=f"hyperloom-dcp-{step}",
                 daemon=True,
             )
             self._thread.start()
         else:
-            self._finish(lambda: dcp.save(model_state, **kw), *finish)
+            self._finish(model_state, *finish)
             self._raise_pending()
         self.stall_s.append(time.perf_counter() - start)
         return checkpoint_dir(self.run_dir, step)
 
     def _finish(
         self,
-        upload: Callable[[], Any],
+        state: dict[str, torch.Tensor],
         step: int,
         files: dict[str, str | bytes],
         meta: dict[str, Any],
         protect: frozenset[int],
+        after_first_file: Callable[[], None] | None,
     ) -> None:
-        """Steps 2-5 of the protocol (module doc), on every rank."""
+        """Write and commit on every rank; once more if that fails (every rank knows, so all
+        retry together; the drill's fault, which strikes once, is left out of the retry)."""
+        failed: BaseException | None = None
+        for hook in (after_first_file, None):
+            error = self._attempt(state, step, files, meta, protect, hook)
+            if error is None:
+                self.last_committed = checkpoint_dir(self.run_dir, step)
+                if failed is not None:
+                    self._failures.append((step, failed, True))
+                return
+            if failed is not None:
+                self._failures.append((step, error, False))
+                return
+            failed = error
+
+    def _attempt(
+        self,
+        state: dict[str, torch.Tensor],
+        step: int,
+        files: dict[str, str | bytes],
+        meta: dict[str, Any],
+        protect: frozenset[int],
+        after_first_file: Callable[[], None] | None,
+    ) -> BaseException | None:
+        """Steps 1-5 of the protocol (module doc) on every rank: None when committed, else
+        the error, the same outcome on every rank; a failed attempt leaves no `step_N.tmp/`."""
         tmp = staging_dir(self.run_dir, step)
         error: BaseException | None = None
-        hashes: dict[str, str] = {}
         try:
-            upload()  # a rank's failure inside DCP's write fails it on every rank
+            if self.rank == 0:
+                fresh_staging_dir(self.run_dir, step)
+        except BaseException as exc:  # noqa: BLE001 - told to every rank below
+            error = exc
+        # Every rank waits for the empty directory, and learns whether it could be made.
+        if not self._gather(error is None)[0]:
+            if self.rank == 0:
+                discard_staging(self.run_dir, step)
+            return error or CheckpointError(f"the main rank could not create {tmp}")
+        hashes: dict[str, str] = {}
+        writer = _ShardWriter(tmp, after_first_file)
+        if self.async_save:
+            writer.per_thread_copy_ahead = 0  # the state is staged on the CPU already
+        try:
+            no_dist = not self.distributed
+            # A rank's failure inside DCP's write fails it on every rank.
+            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             # Each rank hashes the shard files it wrote (in parallel); the main rank the rest.
             hashes = hash_files(tmp, f"__{self.rank}_*.distcp")
+        except KeyboardInterrupt:
+            raise
         except BaseException as exc:  # noqa: BLE001 - agreed on below, then reported
             error = _first_failure(exc)
-        reports = self._gather((error is None, hashes))
+        # A write that failed on some rank: its file system's own error (e.g. a full disk)
+        # says more than the exception DCP hands every rank.
+        own = writer.fs.errors[0] if writer.fs.errors else None
+        reports = self._gather((error is None, hashes, own))
+        if error is not None:
+            error = next((e for _, _, e in reports if e is not None), error)
         committed = None
         if self.rank == 0 and error is None:
-            failed = [r for r, (ok, _) in enumerate(reports) if not ok]
+            failed = [r for r, (ok, _, _) in enumerate(reports) if not ok]
             if failed:
                 error = CheckpointError(f"ranks {failed} did not finish writing their shards")
             else:
                 try:
-                    for _, h in reports:
+                    for _, h, _ in reports:
                         hashes.update(h)
                     hashes.update(write_files(tmp, files))
                     hashes.update(hash_files(tmp, skip=hashes))  # DCP's .metadata
@@ -361,10 +450,9 @@ class ShardedCheckpointWriter(CheckpointWriter):
                     error = exc
         if not self._gather(committed is not None)[0] and error is None:
             error = CheckpointError("the main rank did not commit it")
-        if error is not None:
-            self._error = (step, error)
-        else:
-            self.last_committed = checkpoint_dir(self.run_dir, step)
+        if error is not None and self.rank == 0:
+            discard_staging(self.run_dir, step)  # every rank is done writing into it
+        return error
 
     def _gather(self, value: Any) -> list[Any]:
         if not self.distributed:

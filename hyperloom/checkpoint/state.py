@@ -132,3 +132,36 @@ def load_full_optimizer_state(pm: ParallelModel, opt, saved: dict[str, Any]) -> 
                 else:
                     entry[k] = _place(v, p, shard)
             opt.state[p] = entry
+
+
+@torch.no_grad()
+def nonfinite_state(pm: ParallelModel, opt) -> list[str]:
+    """The names of this rank's parameter and optimizer state tensors that hold a NaN or an
+    infinity, which a checkpoint must never be written from. Each rank checks only the pieces
+    it holds (the caller all-reduces the verdict). One sum per tensor, read back in one host
+    sync: a sum is finite unless an element is not (or the sum overflows, which the exact
+    `isfinite` check of that tensor then rules out), and costs a fraction of `isfinite`."""
+    params = pm.local_params()
+    names = {id(p): n for n, p in params}
+    tensors: list[tuple[str, torch.Tensor]] = list(params)
+    if isinstance(opt, ZeroOneAdamW):  # this rank's slices of the flat FP32 buffers
+        tensors += [(f"optimizer {k} (ZeRO-1 shard)", getattr(opt, k)) for k in _ZERO1_STATE]
+    else:
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                    tensors.append((f"{names.get(id(p), '?')} (optimizer {k})", v))
+    local = [(n, _local_piece(t)) for n, t in tensors]
+    local = [(n, t) for n, t in local if t.numel()]
+    if not local:
+        return []
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in local])
+    suspects = (~torch.isfinite(sums)).nonzero().flatten().tolist()  # the one host sync
+    return [local[i][0] for i in suspects if not bool(torch.isfinite(local[i][1]).all())]
+
+
+_ZERO1_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _local_piece(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t.detach()

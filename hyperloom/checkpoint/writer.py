@@ -7,9 +7,14 @@ next steps, so the stall shrinks to the copy (benchmarks/checkpoint_stall.py). T
 implement `Writer`, the interface the trainer and resilience save through.
 
 A thread, not a process: writes and hashing release the GIL. One save in flight: a new save
-waits for the previous one (counted as stall), so at most one extra copy sits in host RAM. A
-writer that raises is reported (`checkpoint_failed`) and the next save starts afresh; the
-previous committed checkpoint stays the latest, as it does when the process is killed.
+waits for the previous one (counted as stall), so at most one extra copy sits in host RAM.
+
+A write that fails (a full or read-only volume, a writer that dies half-way) removes its
+`step_N.tmp/` and is written once more from the same staged copy, so a passing fault costs
+nothing; the retry runs where the first attempt did (in the background for async saves).
+Either outcome is reported to `on_failure(step, error, committed)` at the next `save` or
+`wait`: `committed` says whether the retry saved the checkpoint after all. The owner decides
+what a lost checkpoint means (the trainer stops the run: hyperloom.resilience.guard).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hyperloom.checkpoint.layout import CheckpointError, checkpoint_dir
+from hyperloom.checkpoint.layout import CheckpointError, checkpoint_dir, describe_failure
 from hyperloom.checkpoint.whole import save_checkpoint
 
 
@@ -30,8 +35,9 @@ class Writer(Protocol):
     """Saves checkpoints of one run directory, one at a time, maybe in the background.
 
     `save` returns the final `step_N/` path, committed only once `wait` has returned without
-    error; a failed save is handed to `on_failure(step, exc)` (or raised as CheckpointError
-    when there is none) at the next `save` or `wait`."""
+    error. A save that failed, then was retried once, is handed to
+    `on_failure(step, error, committed)` at the next `save` or `wait`; without `on_failure`, a
+    save the retry did not commit either is raised there as CheckpointError."""
 
     stall_s: list[float]  # time the training thread spent in each save
     last_committed: Path | None
@@ -52,6 +58,9 @@ class Writer(Protocol):
 
     @property
     def in_flight(self) -> bool: ...
+
+
+OnFailure = Callable[[int, BaseException, bool], None]
 
 
 def stage(obj: Any, pin: bool = False) -> Any:
@@ -81,12 +90,13 @@ class CheckpointWriter:
         run_dir: Path,
         keep: int,
         async_save: bool,
-        on_failure: Callable[[int, BaseException], None] | None = None,
+        on_failure: OnFailure | None = None,
     ) -> None:
         self.run_dir, self.keep, self.async_save = Path(run_dir), keep, async_save
         self.on_failure = on_failure
         self._thread: threading.Thread | None = None
-        self._error: tuple[int, BaseException] | None = None
+        # (step, error, committed by the retry) of failed saves not yet reported
+        self._failures: list[tuple[int, BaseException, bool]] = []
         self.stall_s: list[float] = []  # time the training thread spent in each save
         self.last_committed: Path | None = None
 
@@ -124,10 +134,23 @@ class CheckpointWriter:
         return checkpoint_dir(self.run_dir, step)
 
     def _write(self, step: int, args: tuple, after_first_file) -> None:
-        try:
-            self.last_committed = save_checkpoint(*args, after_first_file=after_first_file)
-        except BaseException as exc:  # noqa: BLE001 - reported to the training thread
-            self._error = (step, exc)
+        """Write the staged checkpoint; once more if that fails (the drill's fault, which
+        strikes once, is left out of the retry)."""
+        failed: BaseException | None = None
+        for hook in (after_first_file, None):
+            try:
+                self.last_committed = save_checkpoint(*args, after_first_file=hook)
+            except KeyboardInterrupt:
+                raise  # a synchronous save interrupted by the user (save_checkpoint cleaned up)
+            except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+                if failed is None:
+                    failed = exc
+                    continue
+                self._failures.append((step, exc, False))
+                return
+            if failed is not None:
+                self._failures.append((step, failed, True))
+            return
 
     def wait(self) -> None:
         """Block until the in-flight save is committed (or failed, which is reported)."""
@@ -137,14 +160,15 @@ class CheckpointWriter:
         self._raise_pending()
 
     def _raise_pending(self) -> None:
-        if self._error is None:
-            return
-        step, exc = self._error
-        self._error = None
-        if self.on_failure is not None:
-            self.on_failure(step, exc)
-        else:
-            raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}")
+        failures, self._failures = self._failures, []
+        for step, exc, committed in failures:
+            if self.on_failure is not None:
+                self.on_failure(step, exc, committed)
+            elif not committed:
+                raise CheckpointError(
+                    f"checkpoint step {step} could not be written to "
+                    f"{checkpoint_dir(self.run_dir, step).parent}: {describe_failure(exc)}"
+                )
 
     @property
     def in_flight(self) -> bool:

@@ -47,13 +47,13 @@ SUMMARY = {
     "crash": "the process dies after step K; restart, resume, bitwise",
     "kill_during_save": "the process dies half-way through the save of step K; bitwise",
     "writer_crash": "the async writer dies half-way through the save of step K, the process "
-    "crashes after step K+every+1; nothing published, bitwise",
+    "crashes after step K+every+1; the retry commits K, bitwise",
     "hang": "no progress after step K; the watchdog exits, restart, bitwise",
     "corrupt_latest": "a byte of the newest checkpoint flipped after a stop at K; "
     "falls back, bitwise",
     "uncommitted_latest": "the newest checkpoint's meta.json deleted after a stop at K; "
     "falls back, bitwise",
-    "disk_full": "ENOSPC half-way through the save of step K; nothing published, bitwise",
+    "disk_full": "ENOSPC half-way through the save of step K; the retry commits it, bitwise",
     "nan": "NaN gradients at step K; rollback, validation loss within 2%",
     "spike": "loss and gradients x30 at step K; rollback, validation loss within 2%",
 }

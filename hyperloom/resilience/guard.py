@@ -100,6 +100,7 @@ class Guard:
         )
         self.watchdog = Watchdog(r.watchdog_s, self.run_dir, mesh.global_rank, self._hung)
         self._pending: tuple[Anomaly, str, int | None] | None = None
+        self.save_error: str | None = None  # a save that failed twice, seen by `close`
 
     # ------------------------------------------------------------------ checks
 
@@ -255,23 +256,80 @@ class Guard:
     def _committed(self) -> list[int]:
         return ckpt.committed_steps(self.run_dir)
 
-    def _save_failed(self, step: int, exc: BaseException) -> None:
-        self.events.emit(
-            "checkpoint_failed",
-            f"the checkpoint of step {step} was not committed ({type(exc).__name__}: {exc}); "
-            f"the previous committed checkpoint stays the latest",
-            level=logging.ERROR,
-            step=step,
+    def newest_good(self) -> str:
+        """Which checkpoint a stopped run leaves to resume from, in words."""
+        try:
+            steps = self._committed()
+        except ckpt.CheckpointError:
+            return "the checkpoints cannot be listed"
+        return (
+            f"the newest good checkpoint is step {steps[-1]}"
+            if steps
+            else "there is no good checkpoint yet"
         )
+
+    def may_save(self, step: int, nonfinite: list[str], final: bool) -> bool:
+        """Whether the state of step `step` may be checkpointed (a collective): no rank holds
+        a NaN or an infinity in its parameters or optimizer state (`nonfinite`: this rank's
+        offending tensors, `ckpt.nonfinite_state`). A refused save is an event, never a
+        checkpoint; refusing the final one (`final`) stops the run."""
+        bad = list(nonfinite)
+        if self.world > 1:
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, bad)
+            bad = [name for names in everyone for name in names]
+        if not bad:
+            return True
+        names = ", ".join(dict.fromkeys(bad[:3]))
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        msg = (
+            f"checkpoint step {step} was not written: the parameters or optimizer state hold "
+            f"NaN or Inf ({names}{more}); {self.newest_good()}"
+        )
+        if final:
+            msg += ". Lower train.lr or resume from that checkpoint"
+        self.events.emit("checkpoint_refused", msg, level=logging.ERROR, step=step)
+        if final:
+            raise TrainingHalted(msg)
+        return False
+
+    def _save_failed(self, step: int, exc: BaseException, committed: bool) -> None:
+        """A save failed (the writer reports it at the next save or wait). The writer retried
+        it once: if the retry committed, that is an event; otherwise the checkpoint is lost
+        and the run stops, rather than train on with nothing to resume from."""
+        reason = ckpt.describe_failure(exc)
+        if committed:
+            self.events.emit(
+                "checkpoint_failed",
+                f"writing the checkpoint of step {step} failed ({reason}); the retry committed it",
+                step=step,
+            )
+            return
+        msg = (
+            f"checkpoint step {step} could not be written to "
+            f"{ckpt.checkpoint_root(self.run_dir)}: {reason}; {self.newest_good()}"
+        )
+        try:
+            self.events.emit("checkpoint_failed", msg, level=logging.ERROR, step=step)
+        except Exception:  # noqa: BLE001 - the run directory is on the same failing disk
+            pass  # (events.log, metrics.jsonl); the message ends the run below all the same
+        raise ckpt.CheckpointError(msg)
 
     def latest_checkpoint(self) -> Path | None:
         """Newest committed checkpoint that verifies; each one passed over is an event. The
         main rank reads and hashes the files and tells the others (a collective)."""
-        path, rejected = ckpt.latest_verified(self.run_dir) if self.main else (None, [])
+        path, rejected, error = None, [], None
+        if self.main:
+            try:
+                path, rejected = ckpt.latest_verified(self.run_dir)
+            except ckpt.CheckpointError as exc:  # the checkpoints directory is unreadable
+                error = str(exc)
         if self.world > 1:
-            box = [(path, rejected)]
+            box = [(path, rejected, error)]
             dist.broadcast_object_list(box, src=0)
-            path, rejected = box[0]
+            path, rejected, error = box[0]
+        if error is not None:
+            raise ckpt.CheckpointError(error)
         for why in rejected:
             self.events.emit(
                 "checkpoint_fallback",
@@ -329,7 +387,11 @@ class Guard:
         self.events.attach(sink)
 
     def close(self) -> None:
-        """Stop the watchdog and wait for an in-flight save (errors become events)."""
+        """Stop the watchdog and wait for an in-flight save. A save that could not be written
+        is an event, and its message stays in `save_error`: the trainer stops on it."""
         self.watchdog.stop()
-        self.writer.wait()
+        try:
+            self.writer.wait()
+        except ckpt.CheckpointError as exc:
+            self.save_error = str(exc)
         self.events.attach(None)

@@ -12,6 +12,7 @@ shows that a resume which skips restoring the RNG streams fails the same check.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import threading
@@ -159,9 +160,29 @@ def _break(kind: str, ckpt_dir: Path) -> None:
         (ckpt_dir / "meta.json").unlink()
     elif kind == "interrupted":  # what a kill mid-save leaves: step_N.tmp beside step_N-2
         ckpt_dir.rename(ckpt_dir.with_name(ckpt_dir.name + ".tmp"))
+    elif kind == "no_manifest":  # a commit record without its SHA-256 map, weights damaged
+        meta = json.loads((ckpt_dir / "meta.json").read_text())
+        del meta["sha256"]
+        (ckpt_dir / "meta.json").write_text(json.dumps(meta))
+        _break("corrupt", ckpt_dir)
+    elif kind == "list_meta":  # a commit record of the wrong JSON type
+        (ckpt_dir / "meta.json").write_text("[1, 2]")
+    elif kind == "garbage_meta":
+        (ckpt_dir / "meta.json").write_bytes(bytes(range(256)))
 
 
-@pytest.mark.parametrize("kind", ["corrupt", "truncate", "uncommitted", "interrupted"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "corrupt",
+        "truncate",
+        "uncommitted",
+        "interrupted",
+        "no_manifest",
+        "list_meta",
+        "garbage_meta",
+    ],
+)
 def test_a_broken_latest_checkpoint_is_never_loaded(kind, reference, tiny_job_args, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -171,45 +192,45 @@ def test_a_broken_latest_checkpoint_is_never_loaded(kind, reference, tiny_job_ar
     assert trainer.resumed_from.name == f"step_{STEPS - 2:08d}" and trainer.step == STEPS - 2
     trainer.guard.close()
     (fallback,) = json_events(run_dir, "checkpoint_fallback") or [None]
-    log = (run_dir / "events.log").read_text()
-    assert f"using step_{STEPS - 2:08d}" in log
+    (line,) = (run_dir / "events.log").read_text().splitlines()
+    skipped, using = line.split("[checkpoint_fallback] not loading ")[1].split("; using ")
+    assert f"step_{STEPS:08d}" in skipped and using == f"step_{STEPS - 2:08d}"  # both named
     assert fallback is None  # the Reporter did not exist yet: events.log has it, told at once
 
 
 @pytest.mark.parametrize("writer_cls", [CheckpointWriter, ShardedCheckpointWriter])
-def test_kill_during_save_leaves_the_previous_checkpoint_latest(writer_cls, tmp_path):
-    state = {"w": torch.arange(4.0)}
+def test_a_write_that_fails_once_is_retried_from_the_staged_copy(writer_cls, tmp_path):
+    key = "w" if writer_cls is CheckpointWriter else "model/w"  # the sharded format's name
+    state = {key: torch.arange(4.0)}
     for async_save in (False, True):
         root = tmp_path / str(async_save)
         writer = writer_cls(root, keep=2, async_save=async_save)
         writer.save(2, state, {"step": 2}, {}, {})
         writer.wait()
+        left = []
 
-        def killed() -> None:
-            raise SystemExit("killed mid-save")  # a thread cannot os._exit the test
+        def killed(left=left, root=root) -> None:
+            left.append(sorted(p.name for p in ckpt.checkpoint_root(root).iterdir()))
+            raise SystemExit("died mid-save")  # a thread cannot os._exit the test
 
         failures = []
-        writer.on_failure = lambda step, exc, out=failures: out.append(step)
+        writer.on_failure = lambda *report, out=failures: out.append(report)
         writer.save(4, state, {"step": 4}, {}, {}, after_first_file=killed)
+        state[key].add_(1.0)  # the next step, while an async retry may still be writing
         writer.wait()
-        assert failures == [4]
-        latest, rejected = ckpt.latest_verified(root)
-        assert latest.name == "step_00000002"
-        assert rejected == [
-            "step_00000004.tmp is not committed (no meta.json): an interrupted save"
-        ]
-        writer.save(4, state, {"step": 4}, {}, {})  # the next save succeeds
-        writer.wait()
+        state[key].sub_(1.0)
+        assert left == [["step_00000002", "step_00000004.tmp"]]  # the fault struck mid-save
+        ((step, exc, committed),) = failures
+        assert (step, str(exc), committed) == (4, "died mid-save", True)
         assert ckpt.latest_verified(root) == (ckpt.checkpoint_root(root) / "step_00000004", [])
+        assert ckpt.load_model_state(ckpt.checkpoint_dir(root, 4))["w"].equal(torch.arange(4.0))
 
 
 @pytest.mark.parametrize("writer_cls", [CheckpointWriter, ShardedCheckpointWriter])
-def test_a_crashed_async_writer_publishes_nothing_and_the_next_save_commits(writer_cls, tmp_path):
+def test_a_crashed_async_writer_leaves_nothing_and_its_retry_commits(writer_cls, tmp_path):
     state = {"w": torch.arange(4.0)}
-    failures: list[tuple[int, BaseException]] = []
-    writer = writer_cls(
-        tmp_path, keep=2, async_save=True, on_failure=lambda s, e: failures.append((s, e))
-    )
+    failures: list[tuple[int, BaseException, bool]] = []
+    writer = writer_cls(tmp_path, keep=2, async_save=True, on_failure=lambda *r: failures.append(r))
     writer.save(2, state, {"step": 2}, {}, {})
     crash = FaultInjector("writer_crash@4", tmp_path, rank=0).save_fault(4)
     on_main_thread = []
@@ -221,51 +242,51 @@ def test_a_crashed_async_writer_publishes_nothing_and_the_next_save_commits(writ
     writer.save(4, state, {"step": 4}, {}, {}, after_first_file=crash_here)
     writer.wait()
     assert on_main_thread == [False]  # the background writer died, not the training thread
-    ((step, exc),) = failures
-    assert step == 4 and isinstance(exc, WriterCrash)
-    # Part of the files is on disk, never the commit record (nor, sharded, DCP's .metadata).
-    part = "model.safetensors" if writer_cls is CheckpointWriter else "__0_0.distcp"
-    assert sorted(f.name for f in ckpt.staging_dir(tmp_path, 4).iterdir()) == [part]
-    latest, rejected = ckpt.latest_verified(tmp_path)
-    assert latest.name == "step_00000002" and rejected[0].startswith("step_00000004.tmp")
-    writer.save(6, state, {"step": 6}, {}, {})  # the next save commits and clears step 4's
-    writer.wait()
-    assert failures == [(4, exc)]
+    ((step, exc, committed),) = failures
+    assert step == 4 and isinstance(exc, WriterCrash) and committed  # by the retry
     assert sorted(p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()) == [
         "step_00000002",
-        "step_00000006",
-    ]
+        "step_00000004",
+    ]  # and nothing of the attempt that died is left
+    writer.save(6, state, {"step": 6}, {}, {})
+    writer.wait()
+    assert len(failures) == 1
+    assert ckpt.committed_steps(tmp_path) == [4, 6]
 
 
 @pytest.mark.parametrize("fmt", ["whole", "sharded"])
 def test_writer_crash_then_a_crash_resumes_bitwise(fmt, reference, tiny_job_args, cli, tmp_path):
-    """The writer_crash drill's run: step 4's async save dies half-way, training goes on, the
-    process is killed after step 7; the resume never sees step 4 and ends bit for bit."""
+    """The writer_crash drill's run: step 4's async save dies half-way, its retry commits,
+    training goes on, the process is killed after step 7; the resume ends bit for bit."""
     args = tiny_job_args(tmp_path, **COMMON, checkpoint__async_save=True, checkpoint__format=fmt)
     args += ["--resilience.inject", "writer_crash@4,crash@7"]
     proc = cli("train", *args)
     assert proc.returncode == CRASH_EXIT, proc.stderr[-2000:]
     log = (tmp_path / "events.log").read_text()
-    assert "[checkpoint_failed] the checkpoint of step 4 was not committed (WriterCrash" in log
+    assert "[checkpoint_failed] writing the checkpoint of step 4 failed (WriterCrash: " in log
+    assert "; the retry committed it" in log
     committed = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)]
-    assert committed in ([2], [2, 6])  # step 6's save may still have been in flight
+    assert committed in ([2, 4], [2, 4, 6])  # step 6's save may still have been in flight
     s = Trainer(load_config(None, args)).run().summary
     assert (s["steps"], s["steps_this_run"]) == (STEPS, STEPS - committed[-1])
     final = ckpt.checkpoint_root(tmp_path) / f"step_{STEPS:08d}"
     assert_same_weights(ckpt.load_model_state(final), final_weights(reference))
 
 
-def test_disk_full_mid_save_publishes_nothing_and_training_goes_on(
-    reference, tiny_job_args, tmp_path
-):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_disk_full_once_mid_save_costs_nothing(async_save, reference, tiny_job_args, tmp_path):
+    """ENOSPC half-way through step 4's save, once: the retry commits it, the run goes on and
+    ends bitwise as the clean one, and the event says what happened."""
     cfg = job(
-        tmp_path, tiny_job_args, checkpoint__async_save=True, resilience__inject="disk_full@4"
+        tmp_path, tiny_job_args, checkpoint__async_save=async_save, resilience__inject="disk_full@4"
     )
     s = Trainer(cfg).run().summary
     assert s["steps"] == STEPS
     (failed,) = json_events(tmp_path, "checkpoint_failed")
-    assert (
-        failed["step"] == 4 and "No space left on device" in (tmp_path / "events.log").read_text()
+    (line,) = (tmp_path / "events.log").read_text().splitlines()
+    assert failed["step"] == 4 and line.endswith(
+        "[checkpoint_failed] writing the checkpoint of step 4 failed (No space left on device "
+        "(injected by the disk_full drill)); the retry committed it"
     )
     names = [p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()]
     assert sorted(names) == ["step_00000006", "step_00000008", "step_00000010"]  # .tmp cleaned

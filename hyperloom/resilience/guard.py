@@ -23,8 +23,10 @@ from hyperloom import checkpoint as ckpt
 from hyperloom.resilience.anomaly import Anomaly, AnomalyDetector
 from hyperloom.resilience.events import EventLog
 from hyperloom.resilience.inject import FaultInjector
+from hyperloom.resilience.lock import RunDirError
 from hyperloom.resilience.policy import RecoveryPolicy, TrainingHalted
 from hyperloom.resilience.watchdog import (
+    RESTARTS_FILE,
     RestartLoopError,
     Watchdog,
     record_start,
@@ -119,12 +121,7 @@ class Guard:
         self.events.emit("anomaly", anomaly.detail, **anomaly.as_record())
         committed = []
         if self.cfg.on_anomaly == "rollback" or self.policy.escalates():
-            self.writer.wait()  # the newest checkpoint may still be in flight
-            committed = self._committed()
-            if self.world > 1:  # what the main rank (the writer) sees, for every rank
-                box = [committed]
-                dist.broadcast_object_list(box, src=0)
-                committed = box[0]
+            committed = self._rollback_targets(step)
         action, target = self.policy.decide(anomaly, committed)
         if action == "skip":
             why = ""
@@ -144,6 +141,35 @@ class Guard:
             )
         self._pending = (anomaly, action, target)
         return False
+
+    def _rollback_targets(self, step: int) -> list[int]:
+        """The committed checkpoints a rollback at `step` may choose from, the same on every
+        rank (the main rank, the writer, looks): the in-flight save is waited for, and a
+        stable candidate whose files no longer match their SHA-256 is passed over (an
+        event), never loaded. A save found lost meanwhile stops the run on every rank."""
+        committed, rejected, lost = [], [], None
+        try:
+            self.writer.wait()  # the newest checkpoint may still be in flight
+        except ckpt.CheckpointError as exc:
+            lost = str(exc)
+        if self.main and lost is None:
+            committed = self._committed()
+            while (target := self.policy.stable_checkpoint(committed, step - 1)) is not None:
+                try:
+                    ckpt.verify_checkpoint(ckpt.checkpoint_dir(self.run_dir, target))
+                    break
+                except ckpt.CheckpointError as exc:
+                    rejected.append(str(exc))
+                    committed.remove(target)
+        if self.world > 1:
+            box = [(committed, rejected, lost)]
+            dist.broadcast_object_list(box, src=0)
+            committed, rejected, lost = box[0]
+        if lost is not None:
+            raise ckpt.CheckpointError(lost)
+        for why in rejected:
+            self.events.emit("checkpoint_fallback", f"not rolling back to {why}", step=step)
+        return committed
 
     def check_final(self, step: int, val_loss: float) -> None:
         """The run's end: a non-finite validation loss means non-finite weights, whatever the
@@ -356,7 +382,12 @@ class Guard:
         """After resuming: restart-loop guard (main rank decides for all), then the watchdog."""
         reason = None
         if self.main:
-            reason = record_start(self.run_dir, step, self.cfg.max_stalled_restarts)["gave_up"]
+            try:
+                record = record_start(self.run_dir, step, self.cfg.max_stalled_restarts)
+            except OSError as exc:  # a full or read-only run directory
+                path = self.run_dir / RESTARTS_FILE
+                raise RunDirError(f"cannot write {path}: {exc.strerror or exc}") from None
+            reason = record["gave_up"]
         if restart_count() > 0:
             where = self.run.resumed_from
             self.events.emit(

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperloom.config import PrecisionConfig
+from hyperloom.resilience.events import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPES = ("bf16", "blockwise", "current", "delayed", "rowwise", "mxfp8")
@@ -235,8 +236,7 @@ def collect(run_dir: Path, steps: int) -> dict[str, Any] | None:
     val: dict[int, float] = {}
     tps: list[float] = []
     skipped: set[int] = set()
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_jsonl(metrics):  # a run still writing (or killed) may end mid-line
         if rec.get("event") == "skip":
             skipped.add(rec["step"])
         elif rec.get("event") == "train":

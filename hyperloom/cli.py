@@ -13,23 +13,37 @@ import json
 import logging
 import os
 import sys
+import typing
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
 from hyperloom.checkpoint.hf import ConvertError, add_convert_parser
-from hyperloom.config import ConfigError, dumps_toml, load_config, parse_overrides
+from hyperloom.config import ConfigError, JobConfig, dumps_toml, load_config, parse_overrides
 from hyperloom.pipeline import ScheduleError
 from hyperloom.pipeline.cli import add_schedule_parser
 from hyperloom.planner import PlanError
 from hyperloom.planner.cli import add_plan_parser
 from hyperloom.resilience.drill import add_drill_parser
+from hyperloom.resilience.lock import RunDirError
 from hyperloom.resilience.watchdog import GAVE_UP_EXIT, RestartLoopError
+
+
+class UsageError(ValueError):
+    """A command-line argument outside what its command accepts (argparse checks the type)."""
+
 
 # User errors whose modules load without torch: caught first, so a mistake in a config,
 # a plan or a schedule is answered without importing it (see `_user_errors` for the rest).
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PlanError, ScheduleError, ConvertError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    UsageError,
+    ConfigError,
+    PlanError,
+    ScheduleError,
+    ConvertError,
+    RunDirError,
+)
 
 
 def _report_user_error(args: argparse.Namespace, exc: Exception) -> int:
@@ -44,6 +58,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hyperloom.accelerator import AcceleratorError
     from hyperloom.checkpoint import CheckpointError
     from hyperloom.data import DataError
+    from hyperloom.inference import GenerationError
     from hyperloom.resilience.policy import TrainingHalted
 
     return (
@@ -51,6 +66,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         AcceleratorError,
         DataError,
         CheckpointError,
+        GenerationError,
         TrainingHalted,
     )
 
@@ -83,63 +99,40 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
 
 
 def _launch_torchrun(args: argparse.Namespace) -> int:
-    """`hyperloom train --nproc N ...` = torchrun on this machine with N processes.
-
-    The config is validated here first, against world size N, so a bad layout is reported
-    once instead of by N processes.
-
-    `--max-restarts R`: a failed group (a rank crashed, or its watchdog ended a hang) is
-    started again, up to R times, and resumes from the newest committed checkpoint. Each
-    restart is a fresh torchrun launch rather than torchrun's own `--max-restarts`: its
-    in-agent restart reuses the rendezvous store, and on torch 2.13 (CPU, gloo) the restarted
-    group sometimes read the dead ranks' stale addresses and failed or hung in
-    connectFullMesh. HYPERLOOM_RESTART_COUNT tells the workers which attempt they are.
-    """
-    import subprocess
-
-    from hyperloom.resilience.watchdog import gave_up_reason
+    """`hyperloom train --nproc N [--max-restarts R]` = torchrun on this machine with N
+    processes, restarted after a failure (hyperloom.resilience.launch). The config is
+    validated here first, against world size N, so a bad layout is reported once instead of
+    by N processes."""
+    from hyperloom.resilience.launch import launch
 
     config, overrides = _split_config_args(args)
     cfg = load_config(config, overrides, world_size=args.nproc)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-        "-m",
-        "hyperloom",
-        "train",
-    ]
-    cmd += ([config] if config else []) + overrides
-    logger = logging.getLogger("hyperloom")
-    logger.info("launching: %s", " ".join(cmd[2:]))
-    for attempt in range(args.max_restarts + 1):
-        env = {**os.environ, "HYPERLOOM_RESTART_COUNT": str(attempt)}
-        rc = subprocess.call(cmd, env=env)
-        reason = gave_up_reason(cfg.logging.run_dir) if args.max_restarts else None
-        if reason:  # the restart guard saw no progress: restarting again would not help
-            print(f"hyperloom train: gave up: {reason}", file=sys.stderr)
-            return GAVE_UP_EXIT
-        if rc == 0 or attempt == args.max_restarts:
-            return rc
-        logger.warning(
-            "the process group failed (exit status %d); restart %d of %d",
-            rc,
-            attempt + 1,
-            args.max_restarts,
-        )
-    return rc
+    train_args = ([config] if config else []) + overrides
+    return launch(train_args, cfg.logging.run_dir, args.nproc, args.max_restarts)
+
+
+def _at_least(flag: str, value: int | None, least: int, what: str) -> None:
+    if value is not None and value < least:
+        raise UsageError(f"{flag} must be >= {least} ({what}), got {value}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    _at_least("--nproc", args.nproc, 1, "processes to start on this machine")
+    _at_least("--max-restarts", args.max_restarts, 0, "restarts after a failure; 0 = none")
     if args.nproc > 1 or args.max_restarts > 0:
         return _launch_torchrun(args)
+    from hyperloom.resilience.lock import hold_run_dir
+
+    cfg = load_config(*_split_config_args(args))
+    with hold_run_dir(cfg.logging.run_dir):
+        return _train(cfg)
+
+
+def _train(cfg: JobConfig) -> int:
     from hyperloom.inference import LoadedModel, complete
     from hyperloom.train.report import summary_table, write_summary
     from hyperloom.train.trainer import Trainer
 
-    cfg = load_config(*_split_config_args(args))
     out = _console()
     trainer = Trainer(cfg)
     result = trainer.run()
@@ -166,8 +159,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hyperloom.inference import complete, load_for_inference
+    from hyperloom.inference import check_sampling, complete, load_for_inference
 
+    problems = check_sampling(
+        args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
+    )
+    if problems:  # named as the flags, before minutes of loading a model
+        name, message = problems[0]
+        raise UsageError(f"--{name.replace('_', '-')} {message}")
     loaded = load_for_inference(args.checkpoint, device=args.device)
     if args.speculative and loaded.cfg.model.mtp_depth == 0:
         from hyperloom.checkpoint import CheckpointError
@@ -215,6 +214,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     from hyperloom.config import preset_config, preset_names
     from hyperloom.models.registry import family
 
+    _at_least("--seq", args.seq, 1, "tokens per sequence for the FLOPs")
     names = preset_names() if args.name == "all" else [args.name]
     table = Table(title="hyperloom models", title_style="bold")
     for col in (
@@ -297,6 +297,7 @@ def _runtime_memory(micro_batch: int, policy: str) -> dict:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    _at_least("--nproc", args.nproc, 1, "processes the layout is validated for")
     cfg = load_config(*_split_config_args(args), world_size=args.nproc)
     print(dumps_toml(cfg), end="")
     return 0
@@ -311,8 +312,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(accepts_overrides=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (exit status 2) instead of the usage text."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hyperloom",
         description="Train and run large transformer models. Config keys can be overridden "
         "as --section.key value (e.g. --train.steps 200).",

@@ -63,6 +63,7 @@ def _adapters() -> dict[str, HFAdapter]:
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write checkpoint (a run or checkpoint directory) as a Hugging Face model directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from hyperloom import checkpoint as ckpt
@@ -76,22 +77,45 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     adapter = _adapters()[cfg.family]
     hf_state = adapter.to_hf(ckpt.load_model_state(ckpt_dir), cfg)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in hf_state.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    adapter.hf_config(cfg).save_pretrained(str(out))
-    if (ckpt_dir / "tokenizer.json").exists():
-        shutil.copyfile(ckpt_dir / "tokenizer.json", out / "tokenizer.json")
+    try:  # a full or read-only volume is a one-line error, not a traceback
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        adapter.hf_config(cfg).save_pretrained(str(out))
+        if (ckpt_dir / "tokenizer.json").exists():
+            shutil.copyfile(ckpt_dir / "tokenizer.json", out / "tokenizer.json")
+    except (OSError, SafetensorError) as exc:
+        reason = ckpt.describe_failure(exc) if isinstance(exc, OSError) else str(exc)
+        raise ConvertError(f"cannot write {out}: {reason}") from None
     log.info("exported %s (%d tensors) to %s", ckpt_dir, len(tensors), out)
     return out
 
 
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from `path`; ConvertError naming the file for anything else."""
+    try:
+        raw = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ConvertError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ConvertError(f"{path} is not valid JSON ({exc}); expected {what}") from None
+    if not isinstance(raw, dict):
+        raise ConvertError(f"{path} holds a JSON {type(raw).__name__}; expected {what}")
+    return raw
+
+
 def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index, "an object with a weight_map").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise ConvertError(f"{index} has no weight_map of tensor names to file names")
+        files = sorted(set(weight_map.values()))
     elif (hf_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -101,8 +125,31 @@ def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
         )
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(hf_dir / name)))
+        try:
+            state.update(load_file(str(hf_dir / name)))
+        except (OSError, SafetensorError) as exc:
+            raise ConvertError(
+                f"{hf_dir / name} is not a readable safetensors file: {exc}"
+            ) from None
     return state
+
+
+def _check_new_run_dir(run_dir: Path) -> None:
+    """An import starts a run directory of its own: one that holds anything (a run with its
+    checkpoints, metrics) is refused and left as it is, never pruned or overwritten."""
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        return
+    if not run_dir.is_dir():
+        raise ConvertError(f"{run_dir} is not a directory; import into a new or empty one")
+    try:
+        used = any(run_dir.iterdir())
+    except OSError as exc:
+        raise ConvertError(f"cannot read {run_dir}: {exc.strerror or exc}") from None
+    if used:
+        raise ConvertError(
+            f"{run_dir} is not empty (it may hold a run and its checkpoints, which an import "
+            "would replace); import into a new or empty directory"
+        )
 
 
 def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
@@ -112,13 +159,14 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     from hyperloom.models.registry import build_model
 
     src = Path(hf_dir)
+    _check_new_run_dir(Path(run_dir))
     config_json = src / "config.json"
     if not config_json.is_file():
         raise ConvertError(f"{src} is not a Hugging Face model directory (no config.json)")
-    hf_raw = json.loads(config_json.read_text())
+    hf_raw = _read_json(config_json, "a Hugging Face model config (an object)")
     model_type = hf_raw.get("model_type")
     adapters = {t: a for a in _adapters().values() for t in a.model_types}
-    if model_type not in adapters:
+    if not isinstance(model_type, str) or model_type not in adapters:
         raise ConvertError(
             f"{config_json}: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(sorted(adapters))}"
@@ -126,9 +174,17 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     from transformers import AutoConfig
 
     adapter = adapters[model_type]
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_raw.get(key):
+            raise ConvertError(f"{config_json}: {key} = true: this model's linears have no bias")
     try:
-        values = adapter.config_from_hf(AutoConfig.from_pretrained(str(src)))
-    except ValueError as exc:
+        hf_config = AutoConfig.from_pretrained(str(src))
+    except Exception as exc:  # transformers' checks raise ValueError, TypeError, its own kinds
+        reason = " ".join(str(exc).split())  # transformers' messages span lines
+        raise ConvertError(f"{config_json} is not a valid {model_type} config: {reason}") from None
+    try:
+        values = adapter.config_from_hf(hf_config)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise ConvertError(f"{config_json}: {exc}") from None
     try:
         # The data section's default sequence must fit the imported model's positions.
@@ -136,7 +192,14 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
         job = config_from_dict({"model": values, "data": {"seq_len": seq}}, world_size=1)
     except ConfigError as exc:
         raise ConvertError(f"{config_json} maps to an invalid hyperloom model: {exc}") from None
-    state = adapter.from_hf(_read_hf_weights(src), job.model)
+    weights = _read_hf_weights(src)
+    try:
+        state = adapter.from_hf(weights, job.model)
+    except (KeyError, ValueError, RuntimeError, IndexError) as exc:
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ConvertError(
+            f"{src}: weights do not fit the model its config.json describes: {reason}"
+        ) from None
     expected = {n: tuple(p.shape) for n, p in build_model(job.model).state_dict().items()}
     got = {n: tuple(t.shape) for n, t in state.items()}
     if expected != got:
@@ -149,15 +212,21 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     files: dict[str, str | bytes] = {"config.toml": dumps_toml(job)}
     if (src / "tokenizer.json").exists():
         files["tokenizer.json"] = (src / "tokenizer.json").read_bytes()
-    path = ckpt.save_checkpoint(
-        run_dir,
-        0,
-        state,
-        {"step": 0, "tokens_seen": 0, "imported_from": str(src)},
-        files,
-        {"imported_from_hf": model_type},
-        keep=1,
-    )
+    target, existed = Path(run_dir), Path(run_dir).exists()
+    try:
+        path = ckpt.save_checkpoint(
+            run_dir,
+            0,
+            state,
+            {"step": 0, "tokens_seen": 0, "imported_from": str(src)},
+            files,
+            {"imported_from_hf": model_type},
+            keep=1,
+        )
+    except OSError as exc:  # a full or read-only volume: leave the target as it was
+        shutil.rmtree(target if not existed else ckpt.checkpoint_root(target), ignore_errors=True)
+        reason = ckpt.describe_failure(exc)
+        raise ConvertError(f"cannot write the checkpoint into {target}: {reason}") from None
     log.info("imported %s (%d tensors) as %s", src, len(state), path)
     return path
 
@@ -171,7 +240,7 @@ def add_convert_parser(sub: Any) -> None:
     q.set_defaults(func=cmd_convert)
     q = csub.add_parser("import", help="a Hugging Face directory -> a hyperloom checkpoint")
     q.add_argument("hf_dir", help="directory with config.json and *.safetensors")
-    q.add_argument("run_dir", help="run directory to write checkpoints/step_00000000 into")
+    q.add_argument("run_dir", help="a new or empty run directory for checkpoints/step_00000000")
     q.set_defaults(func=cmd_convert)
 
 

@@ -23,6 +23,7 @@ KINDS = (
     "kill_during_save",
     "disk_full",
     "writer_crash",
+    "stall_save",
 )
 NUMERIC = ("nan_grad", "loss_spike")
 
@@ -75,8 +76,12 @@ class ResilienceConfig:
         choices=["skip", "rollback", "stop", "none"],
     )
     window: int = knob(128, "healthy steps in the running mean/sigma/max of loss and grad norm")
-    sigma: float = knob(6.0, "a spike is above mean + sigma x std of the window")
-    max_factor: float = knob(10.0, "... or above this factor x the window's maximum")
+    sigma: float = knob(
+        6.0, "a spike is above mean + sigma x std of the window (inf = never)", inf_ok=True
+    )
+    max_factor: float = knob(
+        10.0, "... or above this factor x the window's maximum (inf = never)", inf_ok=True
+    )
     warmup: int = knob(64, "healthy steps before spikes are checked (NaN/Inf always are)")
     stable_steps: int = knob(10, "healthy steps after a checkpoint that make it stable")
     lr_factor: float = knob(1.0, "multiply the learning rate by this after each rollback")
@@ -92,7 +97,7 @@ class ResilienceConfig:
     inject: str = knob(
         "",
         "fault drill: kind@step[,...] with kind nan_grad, loss_spike, crash, hang, "
-        "kill_during_save, disk_full, writer_crash (also from HYPERLOOM_INJECT)",
+        "kill_during_save, disk_full, writer_crash, stall_save (also from HYPERLOOM_INJECT)",
     )
 
     def problems(self, job: JobConfig) -> list[str]:
@@ -102,8 +107,10 @@ class ResilienceConfig:
         for key, least in checks:
             if getattr(r, key) < least:
                 p.append(f"resilience.{key} must be >= {least}, got {getattr(r, key)}")
-        if r.sigma <= 0 or r.max_factor <= 1:
-            p.append(f"need resilience.sigma > 0 and max_factor > 1, got {r.sigma}, {r.max_factor}")
+        if r.sigma <= 0:
+            p.append(f"resilience.sigma must be positive, got {r.sigma}")
+        if r.max_factor <= 1:
+            p.append(f"resilience.max_factor must exceed 1, got {r.max_factor}")
         for key in ("warmup", "stable_steps", "watchdog_s", "max_stalled_restarts"):
             if getattr(r, key) < 0:
                 p.append(f"resilience.{key} must be >= 0, got {getattr(r, key)}")

@@ -44,7 +44,7 @@ class RecoveryPolicy:
 
     def escalates(self) -> bool:
         """Whether the next anomaly makes `skip` roll back or stop (`max_skips` in a row)."""
-        return self.action == "skip" and self.skips >= self.max_skips
+        return self.action == "skip" and 0 < self.max_skips <= self.skips
 
     def healthy_step(self) -> None:
         self.skips = 0

@@ -1,24 +1,15 @@
 """Hangs and restart loops: a progress watchdog and a guard against restarting in vain.
 
-**Watchdog.** A rank that stops making progress (a peer died inside a collective, a device
-wedged, a deadlock) blocks the whole job without failing it, and torchrun only restarts a
-group when a process *exits*. So a daemon thread watches the time since the last completed
-step; after `timeout_s` it writes every thread's Python stack (faulthandler) to
-`RUN_DIR/hang_rank{R}.txt`, logs where to find it, and leaves with `HANG_EXIT`; torchrun
-then stops the group and `hyperloom train --nproc N --max-restarts R` (or torchrun's own
-`--max-restarts`) starts it again, resuming from the newest committed checkpoint. This is NVRx's in-job restart (`ft_launcher`) reduced to
-one host and a fixed timeout: NVRx learns its timeouts and multiplies by a safety factor of
-5, and its in-process restart keeps soft < hard < barrier timeouts (REFERENCE §5.4). The
-timeout must exceed the slowest legitimate gap between steps (first-step compilation,
-validation, a synchronous save); `heartbeat()` is called around those phases as well.
+A rank that stops progressing blocks the job without failing it, and torchrun restarts only on
+exit. So a daemon thread watches the time since the last step; after `timeout_s` it dumps every
+thread's stack to `RUN_DIR/hang_rank{R}.txt` and exits with `HANG_EXIT`, and the group is
+restarted from the newest committed checkpoint: NVIDIA Resiliency Extension's in-job restart
+(`ft_launcher`) reduced to one host and a fixed timeout. `heartbeat()` also marks slow
+legitimate phases (compilation, validation, synchronous saves).
 
-**Restart guard.** A fault that comes back after every restart (bad node, bad data, a
-corrupted state that still verifies) would make torchrun burn all its restarts. Each start
-of a restarted group records the step it resumed from in `RUN_DIR/restarts.json`; when
-`limit` restarts in a row resumed from the same step, the guard gives up (NVRx stops after 3
-restarts without progress). Giving up must also stop torchrun's own restarts (it restarts
-on any failure), so every rank leaves *successfully* and the file says why; `hyperloom
-train` reads it and exits with `GAVE_UP_EXIT` and the reason.
+The restart guard records each restart's resume step in `RUN_DIR/restarts.json`; after `limit`
+restarts in a row from the same step it gives up (NVRx stops after 3 without progress), every
+rank exiting successfully so torchrun stops too, and `hyperloom train` exits `GAVE_UP_EXIT`.
 """
 
 from __future__ import annotations
@@ -123,8 +114,8 @@ def record_start(run_dir: Path, resumed_step: int, limit: int) -> dict[str, Any]
     path = Path(run_dir) / RESTARTS_FILE
     restart = restart_count()
     state: dict[str, Any] = {"starts": [], "stalled": 0, "gave_up": None}
-    if restart > 0 and path.is_file():  # a fresh launch starts a fresh count
-        state = json.loads(path.read_text())
+    if restart > 0:  # a fresh launch starts a fresh count
+        state = _read_state(path) or state
     previous = state["starts"][-1]["step"] if state["starts"] else None
     state["stalled"] = state["stalled"] + 1 if restart > 0 and previous == resumed_step else 0
     state["starts"].append({"restart": restart, "step": resumed_step, "time": time.time()})
@@ -136,13 +127,32 @@ def record_start(run_dir: Path, resumed_step: int, limit: int) -> dict[str, Any]
             f"back every time: see events.log and hang_rank*.txt in {run_dir}"
         )
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")  # replaced whole: a kill mid-write tears nothing
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+    return state
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    """restarts.json, or None if it is missing or not the guard's record (written by an
+    older version non-atomically and torn, say): the count then starts afresh."""
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable (%s); the restart count starts afresh", path, exc)
+        return None
+    ok = isinstance(state, dict) and isinstance(state.get("starts"), list)
+    ok = ok and isinstance(state.get("stalled"), int)
+    if not ok:
+        log.warning("%s is not a restart record; the restart count starts afresh", path)
+        return None
     return state
 
 
 def gave_up_reason(run_dir: Path) -> str | None:
     """The restart guard's reason if the last start in `run_dir` gave up."""
-    path = Path(run_dir) / RESTARTS_FILE
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("gave_up")
+    state = _read_state(Path(run_dir) / RESTARTS_FILE)
+    reason = state.get("gave_up") if state else None
+    return reason if isinstance(reason, str) else None

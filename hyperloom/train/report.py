@@ -11,9 +11,11 @@ The trainer calls a `Reporter`; nothing in the loop formats text. Files written 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,20 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from hyperloom.resilience.events import read_jsonl, repair_tail
+from hyperloom.resilience.lock import RunDirError
+
 log = logging.getLogger("hyperloom.train")
+
+
+@contextlib.contextmanager
+def run_dir_writes(path: Path) -> Iterator[None]:
+    """An OSError while writing `path` in the run directory (a full or read-only volume)
+    becomes a RunDirError that names the file: one line and exit status 2, no traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunDirError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _logging_console() -> Console:
@@ -62,14 +77,14 @@ class Reporter:
         self._progress = None
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self._metrics = self.metrics_path.open("a" if append else "w")
+        with run_dir_writes(self.metrics_path):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if append:  # after a crash: a torn last line is cut, the records before it kept
+                repair_tail(self.metrics_path)
+                self.history = read_jsonl(self.metrics_path)
+            self._metrics = self.metrics_path.open("a" if append else "w")
         self.console = console or _logging_console()
-        if append:
-            self.history = [
-                json.loads(line) for line in self.metrics_path.read_text().splitlines() if line
-            ]
         if progress:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -96,8 +111,9 @@ class Reporter:
         if not self.enabled:
             return
         self.history.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        with run_dir_writes(self.metrics_path):
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
 
     def train_metrics(self, record: dict[str, Any], total_steps: int, peak_tflops: float) -> None:
         if not self.enabled:
@@ -137,8 +153,9 @@ class Reporter:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self.enabled:
-            self._metrics.close()
+        if self.enabled and not self._metrics.closed:
+            with run_dir_writes(self.metrics_path):
+                self._metrics.close()
 
     def plot(self) -> Path | None:
         """Loss curve PNG from the metrics history."""
@@ -163,14 +180,25 @@ class Reporter:
         ax.legend()
         out = self.run_dir / "loss_curve.png"
         fig.tight_layout()
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
+        try:
+            with run_dir_writes(out):
+                fig.savefig(out, dpi=110)
+        finally:
+            plt.close(fig)
         return out
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    """RUN_DIR/summary.json, replaced whole (a kill mid-write leaves the old one)."""
     path = Path(run_dir) / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with run_dir_writes(path):
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return path
 
 

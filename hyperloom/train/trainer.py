@@ -36,7 +36,7 @@ from hyperloom.parallel import build_mesh, build_parallel_model, init_distribute
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.train.optim import build_optimizer, lr_at
-from hyperloom.train.report import Reporter, write_summary
+from hyperloom.train.report import Reporter, run_dir_writes, write_summary
 
 log = logging.getLogger("hyperloom.train")
 
@@ -129,11 +129,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def save(self, last_loss: float | None, wait: bool = False) -> Path:
+    def save(self, last_loss: float | None, wait: bool = False) -> Path | None:
         """Checkpoint (a collective), maybe in the background: `wait` returns only once it is
-        committed. Whole tensors the main rank writes, or every rank's shards (sharded)."""
+        committed. Whole tensors the main rank writes, or every rank's shards (sharded).
+
+        Parameters or optimizer state holding NaN or Inf are never saved: None (an event), or,
+        for a save that is waited for (the final one), TrainingHalted. A save that could not
+        be written, even by the writer's retry, raises CheckpointError on every rank."""
         fmt = self.cfg.checkpoint.format
         sharded = fmt == "sharded"
+        nonfinite = ckpt.nonfinite_state(self.pm, self.optimizer)
+        if not self.guard.may_save(self.step, nonfinite, final=wait):
+            return None
         # sharded: model and optimizer tensors both in DCP's state, none in train_state.pt
         model_state, optimizer = ckpt.state_to_save(self.pm, self.optimizer, fmt)
         train_state = {
@@ -149,21 +156,37 @@ class Trainer:
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         files = {}
         if self.mesh.is_main:
-            tok_json = self.run_dir / ".tokenizer.json"
-            self.data.tokenizer.save(tok_json)
-            files = {"config.toml": dumps_toml(self.cfg), "tokenizer.json": tok_json.read_bytes()}
-            tok_json.unlink()
+            # The tokenizer's bytes, not a scratch file in the run dir that a second job there
+            # (orphaned workers) could race on.
+            files = {
+                "config.toml": dumps_toml(self.cfg),
+                "tokenizer.json": self.data.tokenizer.to_json(),
+            }
+        error = None
         if self.mesh.is_main or sharded:
-            path = self.guard.save(
-                self.step,
-                model_state,
-                train_state,
-                files,
-                {"tokens_seen": self.tokens_seen, "loss": last_loss},
-                wait=wait,
-            )
-        self.barrier()
+            try:
+                path = self.guard.save(
+                    self.step,
+                    model_state,
+                    train_state,
+                    files,
+                    {"tokens_seen": self.tokens_seen, "loss": last_loss},
+                    wait=wait,
+                )
+            except ckpt.CheckpointError as exc:  # a save, this one or an earlier, is lost
+                error = str(exc)
+        self._stop_on_save_error(error)  # also the barrier after a save
         return path
+
+    def _stop_on_save_error(self, error: str | None) -> None:
+        """Raise CheckpointError on every rank if the main rank's saves failed (a collective:
+        in the whole format only the main rank writes, so only it knows)."""
+        if self.mesh.world_size > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise ckpt.CheckpointError(error)
 
     def _fp8_state(self) -> dict[str, torch.Tensor]:
         """FP8 scaling state by global module name (under pp a collective over its ranks)."""
@@ -338,8 +361,13 @@ class Trainer:
         # Only the main rank reports MFU, so only it spends time measuring the peak.
         peak = lg.peak_tflops or (self._measured_peak() if main else 1.0)
         if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
+            with run_dir_writes(self.run_dir / "config.toml"):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.toml").write_text(dumps_toml(cfg))
+            # summary.json is the record of a finished run: an earlier run's would name
+            # checkpoints this one may prune, and stay if this one fails
+            with run_dir_writes(self.run_dir / "summary.json"):
+                (self.run_dir / "summary.json").unlink(missing_ok=True)
         reporter = Reporter(
             self.run_dir,
             t.steps,
@@ -406,9 +434,11 @@ class Trainer:
             reporter.eval_metrics(self.step, val_loss)
             self.guard.check_final(self.step, val_loss)  # a run never ends "done" with NaN
         finally:
-            self.guard.close()
+            self.guard.close()  # waits for an in-flight save
             reporter.close()
+        self._stop_on_save_error(self.guard.save_error)  # that save was lost: no final one
         train_peak = self.acc.peak_memory_bytes()  # before the final save gathers the state
+        # A summary names only a committed checkpoint: the final save raises if it is not.
         ckpt_path = self.save(last_loss, wait=True) if self.step > first_step else self.resumed_from
         trained_tokens = (self.step - first_step) * self.tokens_per_step
         tps = trained_tokens / train_time if train_time > 0 else None

@@ -114,3 +114,52 @@ def test_import_refuses_a_qwen3_this_model_cannot_be(tmp_path, field, value, mes
     with pytest.raises(ConvertError, match=message):
         import_hf(out, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+def test_import_refuses_a_run_directory_that_is_not_empty(tmp_path, cli):
+    """`convert import HF_DIR RUN` into an existing run pruned that run's checkpoints (the
+    import's save keeps one); a directory that holds anything is refused and left as it was."""
+    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA)
+    _checkpoint(tmp_path / "run", cfg)
+    hf = export_hf(tmp_path / "run", tmp_path / "hf")
+    run = tmp_path / "existing"
+    for step in (2, 4):  # a run with two checkpoints and its metrics
+        state = {k: v.clone() for k, v in _checkpoint(tmp_path / "scratch", cfg)[1].items()}
+        ckpt.save_checkpoint(run, step, state, {"step": step}, {}, {}, keep=5)
+    (run / "metrics.jsonl").write_text('{"event": "train", "step": 4}\n')
+
+    def tree() -> dict[str, bytes]:
+        return {str(f.relative_to(run)): f.read_bytes() for f in run.rglob("*") if f.is_file()}
+
+    before = tree()
+    with pytest.raises(ConvertError, match="is not empty"):
+        import_hf(hf, run)
+    result = cli("convert", "import", str(hf), str(run))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"hyperloom convert: error: {run} is not empty (it may hold a run and its checkpoints, "
+        "which an import would replace); import into a new or empty directory"
+    )
+    assert tree() == before  # byte for byte
+    (tmp_path / "empty").mkdir()
+    assert import_hf(hf, tmp_path / "empty") == ckpt.checkpoint_dir(tmp_path / "empty", 0)
+
+
+def test_a_full_volume_is_a_convert_error_and_leaves_no_half_run(tmp_path):
+    """Writes past the file size limit (`ulimit -f`) fail as on a full disk: a ConvertError
+    (one line, exit status 2), and an import leaves no half-made run directory."""
+    import resource
+
+    cfg = dataclasses.replace(preset_config("tiny"), **LLAMA)
+    _checkpoint(tmp_path / "run", cfg)
+    hf = export_hf(tmp_path / "run", tmp_path / "hf")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # below the weights' size
+    try:
+        with pytest.raises(ConvertError, match=f"cannot write {tmp_path / 'out'}: .*too large"):
+            export_hf(tmp_path / "run", tmp_path / "out")
+        with pytest.raises(ConvertError, match="cannot write the checkpoint into .*too large"):
+            import_hf(hf, tmp_path / "new")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not (tmp_path / "new").exists()

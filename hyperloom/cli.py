@@ -427,7 +427,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         rc = 130
+    except RuntimeError as exc:
+        if not lost_peer(exc):
+            raise
+        print(lost_peer_line(args.command, exc), file=sys.stderr)
+        rc = 1  # not a user error: the launcher may restart the group
     return _leave(rc)
+
+
+# What a collective raises on a rank whose peer died (gloo says so in its message; NCCL's
+# errors are torch.distributed.DistError).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc`, in a torchrun worker, is a collective failing because another rank of
+    the job died: that rank's own line and the launcher's say why, so this rank's traceback
+    would only bury them."""
+    if "RANK" not in os.environ:
+        return False
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
+    return isinstance(exc, dist_error) or any(s in str(exc) for s in _PEER_GONE)
+
+
+def lost_peer_line(command: str, exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"hyperloom {command} (rank {_rank()}): stopped: another rank of the job is gone "
+        f"({first[:160]}); the launcher's line says which"
+    )
 
 
 def _leave(rc: int) -> int:

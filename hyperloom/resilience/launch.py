@@ -108,6 +108,14 @@ def _first(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
     return failure.timestamp, kind, rank
 
 
+def _quiet_elastic_logs() -> None:
+    """The agent's own warnings and errors about a failed group ("Sending process N closing
+    signal", "failed (exitcode ...)") repeat what the launcher's one line says."""
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def _agent(argv: list[str]) -> int:
     """torchrun's agent (`torch.distributed.run`), a failed group told in one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -115,6 +123,8 @@ def _agent(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ[AGENT_ENV] = str(os.getpid())  # the workers' parent (stop_with_parent)
+    if os.environ.get(REPORT_ENV):  # under our launcher, which tells a failure in one line
+        _quiet_elastic_logs()
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:

@@ -150,3 +150,19 @@ def test_generate_without_checkpoint_is_a_clear_error(tmp_path, cli):
     assert f"'{tmp_path}' is neither a checkpoint directory" in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_a_rank_whose_peer_died_reports_one_line(monkeypatch):
+    """A collective failing because another rank died is one line on the surviving rank,
+    not gloo's traceback; outside torchrun, and for other errors, nothing is hidden."""
+    from hyperloom.cli import lost_peer, lost_peer_line
+
+    gone = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242\nmore"
+    )
+    monkeypatch.delenv("RANK", raising=False)
+    assert not lost_peer(gone)
+    monkeypatch.setenv("RANK", "1")
+    assert lost_peer(gone) and not lost_peer(RuntimeError("shape mismatch"))
+    line = lost_peer_line("train", gone)
+    assert "\n" not in line and "(rank 1)" in line and "Connection closed by peer" in line

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hyperloom.config.args import number
 from hyperloom.pipeline.comm import add_communication
 from hyperloom.pipeline.ir import Schedule, dumps_schedule
 from hyperloom.pipeline.schedules import DESCRIPTIONS, SCHEDULES, build_schedule
@@ -30,18 +31,24 @@ def add_schedule_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=f"Pipeline schedules as data. Kinds: {kinds}.",
     )
     p.add_argument("kind", choices=list(SCHEDULES), help="schedule kind")
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel ranks")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--pp", type=number(int, least=1), required=True, help="pipeline-parallel ranks")
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=number(int, least=1),
+        required=True,
+        help="micro-batches per step",
+    )
     p.add_argument(
         "--vpp",
         type=int,
         default=1,
         help="model chunks per rank (interleaved only; V-shapes imply 2)",
     )
-    p.add_argument("--f", type=float, default=1.0, help="forward time of a rank's share")
-    p.add_argument("--b", type=float, default=1.0, help="input-gradient backward time")
-    p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time")
-    p.add_argument("--comm", type=float, default=0.0, help="latency of one p2p transfer")
+    p.add_argument("--f", type=number(least=0), default=1.0, help="forward time of a rank's share")
+    p.add_argument("--b", type=number(least=0), default=1.0, help="input-gradient backward time")
+    p.add_argument("--w", type=number(least=0), default=1.0, help="weight-gradient backward time")
+    p.add_argument("--comm", type=number(least=0), default=0.0, help="latency of one p2p transfer")
     p.add_argument(
         "--fb-overlap",
         type=float,

@@ -37,6 +37,7 @@ from typing import Any
 
 from rich.console import Console
 
+from hyperloom.config.args import number
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import PROFILES, Cluster, get_profile
 from hyperloom.planner.host_memory import RuntimeMemoryProbe
@@ -104,9 +105,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         default="h100",
         help=f"{', '.join(PROFILES)} or a calibrated .json profile",
     )
-    p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8)")
-    p.add_argument("--intra-gbs", type=float, help="scale-up GB/s per GPU per direction")
-    p.add_argument("--inter-gbs", type=float, help="scale-out (NIC) GB/s per GPU")
+    p.add_argument("--gpus-per-node", type=number(int, least=1), help="default: the profile's (8)")
+    p.add_argument("--intra-gbs", type=number(above=0), help="scale-up GB/s per GPU per direction")
+    p.add_argument("--inter-gbs", type=number(above=0), help="scale-out (NIC) GB/s per GPU")
 
 
 def _runtime_args(p: argparse.ArgumentParser) -> None:
@@ -126,21 +127,23 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="achieved fraction of the compute roofline (docs/planner.md fits 0.8)",
     )
-    p.add_argument("--margin-gib", type=float, default=6.0, help="memory kept free per device")
+    p.add_argument(
+        "--margin-gib", type=number(least=0), default=6.0, help="memory kept free per device"
+    )
 
 
 def _search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (a CONFIG keeps its own)"
     )
-    p.add_argument("--top", type=int, default=10, help="plans to keep")
+    p.add_argument("--top", type=number(int, least=1), default=10, help="plans to keep")
     p.add_argument("--fix", default="", help="pin dimensions: tp=8,pp=4/8,schedule=1f1b,...")
 
 
 def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
     """The flags that change a job's layout (prefixed with `mode` in the plain `plan` help)."""
     p.add_argument("--schedule", default=None, help=f"{mode}schedule kind (default: the job's)")
-    p.add_argument("--vpp", type=int, default=None, help=f"{mode}chunks per rank")
+    p.add_argument("--vpp", type=number(int, least=1), default=None, help=f"{mode}chunks per rank")
     p.add_argument(
         "--recompute",
         default="none",
@@ -184,8 +187,10 @@ def add_plan_parser(
     )
     # `hyperloom plan [CONFIG] ...` without a subcommand: every flag, as before
     p.add_argument("--model", help="model preset to search layouts for (e.g. llama3-70b)")
-    p.add_argument("--gpus", type=int, help="number of accelerators")
-    p.add_argument("--seq", type=int, help="sequence length (default: config's, or 4096)")
+    p.add_argument("--gpus", type=number(int, least=1), help="number of accelerators")
+    p.add_argument(
+        "--seq", type=number(int, least=1), help="sequence length (default: config's, or 4096)"
+    )
     _search_args(p)
     _cluster_args(p)
     _runtime_args(p)
@@ -205,8 +210,10 @@ def add_plan_parser(
         description=paragraphs[2].split(" `search` ")[0],
     )
     q.add_argument("target", metavar="CONFIG", help="job TOML ([--section.key value] overrides)")
-    q.add_argument("--gpus", type=int, help="number of accelerators (default: the job's)")
-    q.add_argument("--seq", type=int, help="sequence length (default: the job's)")
+    q.add_argument(
+        "--gpus", type=number(int, least=1), help="number of accelerators (default: the job's)"
+    )
+    q.add_argument("--seq", type=number(int, least=1), help="sequence length (default: the job's)")
     _layout_args(q)
     _cluster_args(q)
     _runtime_args(q)
@@ -220,8 +227,12 @@ def add_plan_parser(
     )
     q.add_argument("target", nargs="?", metavar="CONFIG", help="job TOML (instead of --model)")
     q.add_argument("--model", help="model preset (e.g. llama3-70b)")
-    q.add_argument("--gpus", type=int, help="number of accelerators (default: the job's)")
-    q.add_argument("--seq", type=int, help="sequence length (default: the job's, or 4096)")
+    q.add_argument(
+        "--gpus", type=number(int, least=1), help="number of accelerators (default: the job's)"
+    )
+    q.add_argument(
+        "--seq", type=number(int, least=1), help="sequence length (default: the job's, or 4096)"
+    )
     _search_args(q)
     _cluster_args(q)
     _runtime_args(q)

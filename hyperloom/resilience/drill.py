@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hyperloom.config.args import number
 from hyperloom.resilience.inject import SAVE_FAULTS
 
 log = logging.getLogger("hyperloom.drill")
@@ -260,8 +261,12 @@ def add_drill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("kind", choices=KINDS)
     p.add_argument("config", nargs="?", help="TOML job file (default: the built-in tiny job)")
     p.add_argument("--run-dir", help="directory for the drill's runs (default runs/drill-KIND)")
-    p.add_argument("--at", type=int, default=5, help="step at which the fault strikes")
-    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
+    p.add_argument(
+        "--at", type=number(int, least=1), default=5, help="step at which the fault strikes"
+    )
+    p.add_argument("--nproc", type=number(int, least=1), default=1, help="processes (torchrun)")
     p.add_argument("--no-reference", action="store_true", help="skip the clean reference run")
-    p.add_argument("--watchdog-s", type=float, default=5.0, help="watchdog timeout (hang drill)")
+    p.add_argument(
+        "--watchdog-s", type=number(above=0), default=5.0, help="watchdog timeout (hang drill)"
+    )
     p.set_defaults(func=cmd_drill, accepts_overrides=True)

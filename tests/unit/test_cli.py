@@ -166,3 +166,24 @@ def test_a_rank_whose_peer_died_reports_one_line(monkeypatch):
     assert lost_peer(gone) and not lost_peer(RuntimeError("shape mismatch"))
     line = lost_peer_line("train", gone)
     assert "\n" not in line and "(rank 1)" in line and "Connection closed by peer" in line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "plan --model llama3-8b --gpus 8 --top -1",
+        "plan --model llama3-8b --gpus 8 --intra-gbs inf",
+        "plan --model llama3-8b --gpus 8 --margin-gib -5",
+        "schedule 1f1b --pp 2 -m 4 --f nan",
+        "schedule 1f1b --pp 2 -m 4 --comm inf",
+        "drill crash --nproc 0",
+    ],
+)
+def test_numeric_flags_out_of_range_are_one_line_errors(argv, capsys):
+    from hyperloom.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv.split())
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert argv.split()[-2] in err and "must be a finite" in err, err  # names the flag

@@ -2,15 +2,12 @@
 multi-token-prediction modules, speculative decoding with them as the draft
 (`speculative`)."""
 
-from hyperloom.inference.generate import (
+from hyperloom.inference.generate import LoadedModel, complete, generate, load_for_inference
+from hyperloom.inference.sampling import (
     GenerationError,
-    LoadedModel,
     check_sampling,
-    complete,
     decode_length,
     filter_logits,
-    generate,
-    load_for_inference,
     require_sampling,
     sample_next,
 )

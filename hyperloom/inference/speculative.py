@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperloom.accelerator import Accelerator
-from hyperloom.inference.generate import decode_length, filter_logits, require_sampling
+from hyperloom.inference.sampling import decode_length, filter_logits, require_sampling
 from hyperloom.models.deepseek.mla import MLACache
 
 

@@ -38,11 +38,12 @@ from hyperloom.config.parallel import (
 )
 from hyperloom.config.precision import FP8_GEMMS, PrecisionConfig
 from hyperloom.config.resilience import Fault, ResilienceConfig, parse_inject
-from hyperloom.config.train import TrainConfig
+from hyperloom.config.train import RECOMPUTE_MODULES, TrainConfig, recompute_policy
 
 __all__ = [
     "FP8_GEMMS",
     "PIPELINE_SCHEDULES",
+    "RECOMPUTE_MODULES",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -73,4 +74,5 @@ __all__ = [
     "to_dict",
     "validate",
     "world_size_from_env",
+    "recompute_policy",
 ]

@@ -7,6 +7,31 @@ from typing import TYPE_CHECKING
 
 from hyperloom.config.base import knob, positive
 
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
+SELECTIVE = ("core_attn", "mlp_act")
+
+
+def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
+    """'none' | 'full' | 'selective' | 'core_attn,mlp_act,...' -> (full, modules); a
+    ValueError says what is allowed. 'selective' is the cheap, memory-heavy pair (Megatron's
+    selective recompute is core_attn alone)."""
+    p = policy.strip().lower()
+    if p in ("none", ""):
+        return False, frozenset()
+    if p == "full":
+        return True, frozenset(RECOMPUTE_MODULES)
+    if p == "selective":
+        return False, frozenset(SELECTIVE)
+    mods = frozenset(m.strip() for m in p.replace("+", ",").split(",") if m.strip())
+    bad = sorted(mods - set(RECOMPUTE_MODULES))
+    if bad:
+        raise ValueError(
+            f"unknown recompute module(s) {bad}; use none, full, selective or a list of "
+            f"{', '.join(RECOMPUTE_MODULES)}"
+        )
+    return False, mods
+
+
 if TYPE_CHECKING:
     from hyperloom.config.job import JobConfig
 
@@ -38,6 +63,12 @@ class TrainConfig:
     eval_batches: int = knob(8, "validation batches per evaluation")
     device: str = knob("auto", "cpu, cuda, musa, ... or auto (see hyperloom.accelerator)")
     compile: bool = knob(False, "wrap the model in torch.compile")
+    recompute: str = knob(
+        "none",
+        "activation recompute: none, full (blocks keep only their input), selective "
+        "(core_attn,mlp_act), or a list of core_attn, mlp_act, norm (hyperloom.parallel.recompute)",
+    )
+    recompute_layers: int = knob(0, "blocks per model chunk that recompute, first ones (0 = all)")
     host_allocator: str = knob(
         "cache",
         "CPU runs: glibc malloc keeps freed memory for reuse, as a caching allocator does "
@@ -73,7 +104,12 @@ class TrainConfig:
             ("train.eps", t.eps),
             ("train.eval_every", t.eval_every),
             ("train.stop_at_step", t.stop_at_step),
+            ("train.recompute_layers", t.recompute_layers),
         ):
             if value < 0:
                 p.append(f"{key} must be >= 0, got {value}")
+        try:
+            recompute_policy(t.recompute)
+        except ValueError as exc:
+            p.append(f"train.recompute: {exc}")
         return p

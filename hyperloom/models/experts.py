@@ -11,6 +11,7 @@ holding this rank's E / ep experts.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +38,31 @@ class _ContiguousGrad(torch.autograd.Function):
 
 @functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward here (probed once per kind)."""
+    """Whether `torch._grouped_mm` runs forward and backward here (probed once per kind).
+
+    Probed on a thread of its own: the first call comes from inside a forward, maybe inside
+    an activation-checkpointed region, whose saved-tensor hooks (thread-local) would
+    otherwise count the probe's tensors as the region's and find them missing when it is
+    recomputed."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    device = torch.device(device_type)
+    if device_type == "cuda":  # the calling thread's device, not the new thread's default
+        device = torch.device("cuda", torch.cuda.current_device())
+    result: list[bool] = []
+    probe = threading.Thread(target=lambda: result.append(_probe_grouped_mm(device, dtype)))
+    probe.start()
+    probe.join()
+    return bool(result and result[0])
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         # Ones, not random numbers: probing must not move the global RNG (a resumed run's
         # dropout masks would shift).
-        x = torch.ones(5, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 5], device=device_type, dtype=torch.int32)
+        x = torch.ones(5, 8, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 5], device=device, dtype=torch.int32)
         _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs)).sum().backward()
         return True
     except (RuntimeError, NotImplementedError, TypeError):

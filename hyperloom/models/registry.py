@@ -29,6 +29,8 @@ class ModelFamily:
     tp_plan: Callable[[ModelConfig], dict[str, str]]
     # (meta model, layer ids, first, last) -> the model cut down to one pipeline chunk
     pipeline_chunk: Callable[[nn.Module, range, bool, bool], nn.Module]
+    # model config -> {recompute module: where it sits in a block} (parallel.recompute)
+    recompute_plan: Callable[[ModelConfig], dict[str, list]]
     # Mixture-of-Experts / MTP families: parameters one token uses (None = all of them), and
     # those of the multi-token-prediction modules inside param_count (None = none).
     active_param_count: Callable[[ModelConfig], int] | None = None
@@ -37,7 +39,7 @@ class ModelFamily:
 
 def _llama() -> ModelFamily:
     from hyperloom.models import llama
-    from hyperloom.models.llama.plan import pipeline_chunk, tp_plan
+    from hyperloom.models.llama.plan import pipeline_chunk, recompute_plan, tp_plan
 
     def build(cfg: ModelConfig) -> nn.Module:
         return llama.Llama(cfg)  # imports torch (lazy attribute): the accounting needs none
@@ -49,12 +51,14 @@ def _llama() -> ModelFamily:
         llama.training_flops_per_token,
         tp_plan,
         pipeline_chunk,
+        recompute_plan,
     )
 
 
 def _deepseek() -> ModelFamily:
     from hyperloom.models import deepseek
     from hyperloom.models.deepseek.plan import pipeline_chunk, tp_plan
+    from hyperloom.models.llama.plan import recompute_plan  # the same block layout
 
     def build(cfg: ModelConfig) -> nn.Module:
         return deepseek.DeepSeekV3(cfg)
@@ -66,6 +70,7 @@ def _deepseek() -> ModelFamily:
         deepseek.training_flops_per_token,
         tp_plan,
         pipeline_chunk,
+        recompute_plan,
         active_param_count=deepseek.active_param_count,
         mtp_param_count=deepseek.mtp_param_count,
     )

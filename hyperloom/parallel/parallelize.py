@@ -7,14 +7,14 @@ Slots, in this fixed order, each its own module:
 2. tensor (`parallel.tensor_parallel`): the family's tensor/sequence-parallel plan;
 3. context: not built yet (the config refuses cp > 1);
 4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank;
-5. recompute: not built yet;
+5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`;
 6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
 7. compile (`train.compile`), last, so dynamo sees DDP's hooks.
 
 Slots 1-5 run on the meta device, on a whole model or a pipeline chunk; `materialize` then
 allocates this rank's shards and draws every tensor from the single-device init stream, so all
 layouts start from the same weights; slots 6-7 wrap the result (`build_parallel_model`). The
-recipe knows no model family: callers hand it the family's plan.
+recipe knows no model family: callers hand it the family's plans (tensor parallel, recompute).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from torch import nn
 from hyperloom.config import JobConfig
 from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.ops import OpImpls, use_ops
-from hyperloom.models.registry import build_model, family
+from hyperloom.models.registry import ModelFamily, build_model, family
 from hyperloom.models.shard import restore_shards, shards_by_name
 from hyperloom.parallel.data_parallel import wrap_data_parallel
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.fp8 import apply_fp8
 from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.mesh import ParallelMesh
+from hyperloom.parallel.recompute import apply_recompute
 from hyperloom.parallel.tensor_parallel import apply_tensor_parallel
 
 SLOTS = ("fp8", "tensor", "context", "expert", "recompute", "data_parallel", "compile")
@@ -46,24 +47,26 @@ class Sharding:
     # parameters whose gradients are summed over tp after backward (sequence-parallel norms)
     sp_params: list[str] = field(default_factory=list)
     experts: ExpertParallelism | None = None  # routed experts split over ep
+    recomputed: int = 0  # blocks that recompute (train.recompute)
 
 
 def parallelize(
     model: nn.Module,
     job: JobConfig,
     mesh: ParallelMesh,
-    tp_plan: dict[str, str],
+    plans: ModelFamily,
     *,
     partial: bool = False,
 ) -> Sharding:
-    """Slots 1-5 on `model` (on the meta device). `partial`: the model is a pipeline chunk,
-    so plan entries and expert banks may be absent from it."""
+    """Slots 1-5 on `model` (on the meta device), with the plans of the model's family.
+    `partial`: the model is a pipeline chunk, so plan entries, expert banks and blocks may
+    be absent from it."""
     par = job.parallel
     apply_fp8(model, job)
     out = Sharding()
     if mesh.size("tp") > 1:
         out.sp_params = apply_tensor_parallel(
-            model, tp_plan, mesh.group("tp"), par.sp, partial=partial
+            model, plans.tp_plan(job.model), mesh.group("tp"), par.sp, partial=partial
         )
     if par.ep > 1:
         ep_group, data_group = mesh.expert_groups(par.ep)  # created once per mesh
@@ -77,6 +80,10 @@ def parallelize(
             dispatcher=par.ep_dispatcher,
             partial=partial,
         )
+    t = job.train
+    out.recomputed = apply_recompute(
+        model, t.recompute, t.recompute_layers, plans.recompute_plan(job.model), partial=partial
+    )
     return out
 
 
@@ -100,7 +107,7 @@ def select_ops(model: nn.Module, job: JobConfig) -> None:
 def build_parallel_model(job: JobConfig, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
     """The job's model as this rank's part of the layout, without pipeline parallelism."""
     model = build_model(job.model)
-    sharding = parallelize(model, job, mesh, family(job.model.family).tp_plan(job.model))
+    sharding = parallelize(model, job, mesh, family(job.model.family))
     materialize(model, device, job.train.seed)
     select_ops(model, job)
     ignore = sharding.experts.names if sharding.experts is not None else []

@@ -351,7 +351,7 @@ def build_pipeline(
     ep_groups = mesh.expert_groups(par.ep) if par.ep > 1 else None  # a collective
     for c in mine:  # the parallelize recipe, chunk by chunk
         chunk = cut(c)
-        sharding = parallelize(chunk, cfg, mesh, fam.tp_plan(cfg.model), partial=True)
+        sharding = parallelize(chunk, cfg, mesh, fam, partial=True)
         sp_params += [f"chunks.{c}.{n}" for n in sharding.sp_params]
         if sharding.experts is not None:
             expert_names += [f"chunks.{c}.{n}" for n in sharding.experts.names]

@@ -10,8 +10,8 @@
 `predict` reads the same TOML (and dotted overrides) as `hyperloom train`, takes the layout
 from [parallel], the micro-batch size and count from [train] and the sequence length from
 [data] (`Strategy.from_job`), and predicts that one layout; the schedule kind, chunks per
-rank and FP8 come from the job unless a flag says otherwise, the recompute policy (no job
-key) from --recompute. The config is read without the trainer's "not built yet" checks, so
+rank, recompute policy (train.recompute) and FP8 come from the job unless a flag says
+otherwise. The config is read without the trainer's "not built yet" checks, so
 layouts the trainer cannot run yet can be planned. `search` searches the layouts of a model
 preset, or of a job's model, GPU count and batch (`search.py`); --fix pins dimensions (``/``
 separates several values). --json writes every plan, --png-prefix writes PREFIX_memory.png,
@@ -146,8 +146,9 @@ def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
     p.add_argument("--vpp", type=number(int, least=1), default=None, help=f"{mode}chunks per rank")
     p.add_argument(
         "--recompute",
-        default="none",
-        help=f"{mode}none, selective, full or core_attn,mlp_act,norm",
+        default=None,
+        help=f"{mode}none, selective, full or core_attn,mlp_act,norm (default: the job's "
+        "train.recompute, or none)",
     )
     p.add_argument("--fp8", action="store_true", help=f"{mode}FP8 GEMMs")
     p.add_argument(

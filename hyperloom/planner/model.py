@@ -22,10 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hyperloom.config import ModelConfig
+from hyperloom.config import ModelConfig, recompute_policy
 from hyperloom.planner.errors import PlanError
-
-RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
 
 
 def _read(field: str, doc: str) -> property:
@@ -366,16 +364,19 @@ def build_layer(
     norm_in = 4 * x_sp if per_op_casts else 2 * x_sp
     qkv_copies = 3 if per_op_casts else 1
     fc1_copies = (2 if spec.gated_mlp else 1) if per_op_casts else 1
+    # A norm's output is what "norm" recompute drops; under autocast per op the linears keep
+    # their own BF16 casts of it instead, which it cannot drop (parallel.recompute).
+    norm_out = "layer" if per_op_casts else "norm"
     saved = [
         Saved("norm1_in", norm_in, "input"),
-        Saved("qkv_in", 2 * x_in * qkv_copies, "norm", gemm_input=True),
+        Saved("qkv_in", 2 * x_in * qkv_copies, norm_out, gemm_input=True),
         Saved("q", 2 * tokens * q / t, "layer"),
         Saved("k", 2 * tokens * kv / t, "layer"),
         Saved("v", 2 * tokens * kv / t, "layer"),
         *core_saved,
         Saved("out_in", 2 * tokens * q / t, "layer", gemm_input=True),
         Saved("norm2_in", norm_in, "layer"),
-        Saved("fc1_in", 2 * x_in * fc1_copies, "norm", gemm_input=True),
+        Saved("fc1_in", 2 * x_in * fc1_copies, norm_out, gemm_input=True),
         Saved("fc1_out", 2 * tokens * n_fc1 / t, "layer"),
         Saved("fc2_in", 2 * tokens * f / t, "mlp_act", gemm_input=True),
     ]
@@ -549,23 +550,9 @@ def _build_deepseek_layer(
 
 
 def parse_recompute(policy: str) -> tuple[bool, frozenset[str]]:
-    """'none' | 'selective' | 'full' | 'core_attn,mlp_act,...' -> (full, modules).
-
-    'selective' recomputes the attention core and the MLP activation function: the cheap,
-    memory-heavy pieces (Korthikanti's "selective" is 'core_attn' alone).
-    """
-    p = policy.strip().lower()
-    if p in ("none", ""):
-        return False, frozenset()
-    if p == "full":
-        return True, frozenset(RECOMPUTE_MODULES)
-    if p == "selective":
-        return False, frozenset({"core_attn", "mlp_act"})
-    mods = frozenset(m.strip() for m in p.replace("+", ",").split(",") if m.strip())
-    bad = sorted(mods - set(RECOMPUTE_MODULES))
-    if bad:
-        raise PlanError(
-            f"unknown recompute module(s) {bad}; use none, selective, full or a list of "
-            f"{', '.join(RECOMPUTE_MODULES)}"
-        )
-    return False, mods
+    """'none' | 'selective' | 'full' | 'core_attn,mlp_act,...' -> (full, modules): the
+    runtime's policies (`config.recompute_policy`), a PlanError when unknown."""
+    try:
+        return recompute_policy(policy)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None

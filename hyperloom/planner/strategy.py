@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from hyperloom.config import JobConfig, pipeline_microbatches
 from hyperloom.pipeline import SCHEDULES
+from hyperloom.planner.errors import PlanError
 from hyperloom.planner.model import ModelSpec, parse_recompute
 
 ZERO_MODES = (0, 1, 3)
@@ -216,13 +217,20 @@ class Strategy:
         job: JobConfig,
         schedule: str | None = None,
         vpp: int | None = None,
-        recompute: str = "none",
+        recompute: str | None = None,
         fp8: bool | None = None,
     ) -> Strategy:
         """The layout a training job runs: [parallel] and [train] read as `hyperloom train`
         reads them (a step is `microbatches x grad_accum` micro-batches per dp rank); the
-        schedule kind, chunks per rank and FP8 from the job unless given."""
+        schedule kind, chunks per rank, recompute policy and FP8 from the job unless given."""
         par, tr = job.parallel, job.train
+        if recompute is None:
+            recompute = tr.recompute
+            if tr.recompute_layers and recompute != "none":
+                raise PlanError(
+                    f"train.recompute_layers = {tr.recompute_layers}: the planner costs "
+                    "recompute on every block of a chunk; plan with train.recompute_layers = 0"
+                )
         kind = schedule or (par.pp_schedule if par.pp > 1 else "1f1b")
         chunks = vpp or (par.vpp if kind == "interleaved" else 1)
         return cls(

@@ -89,3 +89,16 @@ def test_strategy_and_runtime_come_from_the_job_keys_train_reads():
     assert (flags.schedule, flags.vpp, flags.recompute, flags.fp8) == ("1f1b", 1, "full", False)
     rt = Runtime.from_job(job)
     assert rt.autocast_per_op and rt.fused_cross_entropy  # tp > 1: the chunked operator
+
+
+def test_the_plan_runs_the_jobs_recompute_policy():
+    """`hyperloom plan CONFIG` costs the recompute the job will run (train.recompute), a flag
+    overrides it, and a partial policy it cannot cost is refused rather than mis-planned."""
+    from hyperloom.planner import PlanError
+
+    job = load_config(None, ["--train.recompute", "selective"])
+    assert Strategy.from_job(job).recompute == "selective"
+    assert Strategy.from_job(job, recompute="full").recompute == "full"
+    partial = load_config(None, ["--train.recompute", "full", "--train.recompute_layers", "2"])
+    with pytest.raises(PlanError, match="recompute_layers"):
+        Strategy.from_job(partial)

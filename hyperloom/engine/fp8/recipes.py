@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperloom.engine import recompute
 from hyperloom.engine.fp8.formats import check_format_choice, format_for
 from hyperloom.engine.fp8.quantize import (
     FP32_MAX,
@@ -233,6 +234,8 @@ def observe_empty(recipe: DelayedScaling, role: str, state: DelayedState) -> Non
     takes it: the scale update runs and amax 0 is recorded. A 0 never raises the window's
     max, and a window of zeros keeps the last scale, so the history stays valid while it
     advances in step with the other experts'."""
+    if recompute.replaying():  # the first pass took this turn already
+        return
     state.update_scale(recipe, format_for(recipe.fp8_format, role).max)
     state.record(torch.zeros((), device=state.history.device))
 
@@ -259,10 +262,15 @@ def quantize_for(
     if isinstance(recipe, DelayedScaling):
         if state is None:
             raise ValueError("delayed scaling needs the tensor's DelayedState (amax history)")
-        scale = state.update_scale(recipe, fmt.max)
+        replay = recompute.current()
+        if replay is None:
+            scale = state.update_scale(recipe, fmt.max)
+        else:  # a checkpointed region: a recompute quantizes with the first pass's scale
+            scale = replay.scale(lambda: state.update_scale(recipe, fmt.max))
         q = quantize_blocks(x, (rows, cols), fmt, scale.view(1, 1))
-        amax = abs_max(x)
-        state.record(reduce_amax(amax) if reduce_amax is not None else amax)
+        if replay is None or not replay.replaying:  # a recompute records nothing
+            amax = abs_max(x)
+            state.record(reduce_amax(amax) if reduce_amax is not None else amax)
         return q
     if isinstance(recipe, RowwiseScaling):
         if reduce_amax is None:

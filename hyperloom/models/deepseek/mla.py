@@ -31,7 +31,7 @@ from torch import nn
 from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
 from hyperloom.engine.ops import OpImpls
-from hyperloom.models.llama.model import RMSNorm
+from hyperloom.models.llama.model import CoreAttention, RMSNorm
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -134,7 +134,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         self.scale = softmax_scale(cfg)
         self.q_scale = yarn_correction(cfg)  # folded into q on the SDPA path
-        self.dropout = cfg.dropout  # on the attention weights, in training
+        self.core_attention = CoreAttention(cfg.dropout)  # dropout on the weights, training
         self.ops = OpImpls()
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,14 +168,7 @@ class MLA(nn.Module):
         # correction is folded into the queries.
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = ops.attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            True,
-            self.ops.attention,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).flatten(2))  # (b, s, heads * v)
 
     def _absorbed(

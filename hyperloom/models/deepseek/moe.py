@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperloom.config import ModelConfig
+from hyperloom.engine import recompute
 from hyperloom.models.deepseek import balance
 from hyperloom.models.experts import Experts
 from hyperloom.models.llama.model import FeedForward
@@ -120,18 +121,23 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype))
         if self.shared is not None:
             y = y + self.shared(flat)
-        self.aux_loss = None
         if self.training:
             self._track(r, b, s)
+        else:
+            self.aux_loss = None
         return y.view(b, s, d)  # (batch, seq, dim)
 
     def _track(self, r: Routing, b: int, s: int) -> None:
         """Accumulate this micro-batch's expert loads; compute its auxiliary losses."""
         c = self.cfg
-        with torch.no_grad():
-            routed = torch.bincount(r.experts.flatten(), minlength=c.n_routed_experts).float()
-            self.counts = routed if self.counts is None else self.counts + routed
-        self.aux_loss = balance.aux_losses(
+        replay = recompute.replaying()  # a recomputed forward: counted and used already
+        if not replay:
+            with torch.no_grad():
+                routed = torch.bincount(r.experts.flatten(), minlength=c.n_routed_experts)
+                routed = routed.float()
+                self.counts = routed if self.counts is None else self.counts + routed
+        # Built on a replay too, so that it stores what the first pass stored for backward.
+        aux_loss = balance.aux_losses(
             r.scores.view(b, s, -1),  # (batch, seq, E)
             r.experts.view(b, s, -1),  # (batch, seq, k)
             r.logits,
@@ -139,3 +145,5 @@ class MoE(nn.Module):
             batch_alpha=c.moe_aux_alpha,
             z_weight=c.moe_z_loss,
         )
+        if not replay:
+            self.aux_loss = aux_loss

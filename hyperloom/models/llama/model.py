@@ -66,6 +66,33 @@ class KVCache:
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
 
+class CoreAttention(nn.Module):
+    """softmax(q kᵀ / √d) v over (batch, heads, seq, head_dim), causal, with dropout on the
+    weights: a module of its own so that the runtime can recompute it (activation
+    checkpointing's "core_attn", Korthikanti et al., arXiv 2205.05198 §5)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+        self.ops = OpImpls()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return ops.attention(q, k, v, is_causal=True, impl=self.ops.attention, dropout_p=p)
+
+
+class SwiGLUAct(nn.Module):
+    """silu(a) * b: the MLP's activation as a module, so that the runtime can drop its output
+    after the down projection has used it and recompute it for the backward ("mlp_act")."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = OpImpls()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu(a, b, self.ops.swiglu)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -81,7 +108,7 @@ class Attention(nn.Module):
         # key heads, applied before RoPE as in Qwen3 (OLMo 2 normalises the whole projection).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.dropout = cfg.dropout  # on the attention weights, in training
+        self.core_attention = CoreAttention(cfg.dropout)  # dropout on the weights, in training
         self.ops = OpImpls()
 
     def forward(
@@ -107,8 +134,7 @@ class Attention(nn.Module):
         if start_pos == 0:
             # Grouped-query attention inside SDPA: each kv head serves n_heads / n_kv_heads
             # consecutive query heads, without copying k and v for every query head.
-            p = self.dropout if self.training else 0.0
-            out = ops.attention(q, k, v, is_causal=True, impl=self.ops.attention, dropout_p=p)
+            out = self.core_attention(q, k, v)
         elif seq == 1:
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # sees everything
         else:
@@ -132,10 +158,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.ops = OpImpls()
+        self.act = SwiGLUAct()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.swiglu(self.w1(x), self.w3(x), self.ops.swiglu))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 class RMSNorm(nn.Module):

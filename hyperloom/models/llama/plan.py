@@ -21,6 +21,21 @@ TP_PLAN: dict[str, str] = {
 }
 
 
+# Where each recompute module sits in a block (`hyperloom.parallel.recompute`): a region
+# checkpointed whole, or (producer, consumer): the producer's output is dropped after the
+# consumer's forward and rebuilt before its backward.
+RECOMPUTE_PLAN: dict[str, list] = {
+    "core_attn": ["attention.core_attention"],
+    "mlp_act": [("feed_forward.act", "feed_forward.w2")],
+    "norm": [("attention_norm", "attention"), ("ffn_norm", "feed_forward")],
+}
+
+
+def recompute_plan(cfg) -> dict[str, list]:
+    """RECOMPUTE_PLAN: one for every shape of the family."""
+    return RECOMPUTE_PLAN
+
+
 def tp_plan(cfg) -> dict[str, str]:
     """TP_PLAN, with the qk-norm weights when the model has them (`model.qk_norm`)."""
     if not cfg.qk_norm:

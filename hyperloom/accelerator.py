@@ -103,6 +103,14 @@ class Accelerator:
             return int(mod.memory_allocated(self.index))
         return _proc_status_kib("VmRSS") * 1024 or peak_rss_bytes()
 
+    def memory_capacity_bytes(self) -> int:
+        """The memory a process on this device may use: the device's total; on CPU what the
+        host has available now plus what this process already holds (cgroup limit included)."""
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "get_device_properties"):
+            return int(mod.get_device_properties(self.index).total_memory)
+        return host_memory_available() + self.current_memory_bytes()
+
     def rng_state(self) -> torch.Tensor | None:
         mod = _module(self.kind)
         if mod is not None and hasattr(mod, "get_rng_state"):
@@ -205,6 +213,25 @@ def _proc_status_kib(field: str) -> int:
     except OSError:
         return 0
     return int(match.group(1)) if match else 0
+
+
+def host_memory_available() -> int:
+    """Bytes the host can still give this process: /proc/meminfo's MemAvailable, capped by a
+    cgroup v2 memory limit less its usage."""
+    try:
+        info = Path("/proc/meminfo").read_text()
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", info, re.M)
+        free = int(match.group(1)) * 1024 if match else 0
+    except OSError:
+        free = 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, max(0, int(limit) - used)) if free else max(0, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def reset_peak_rss() -> bool:

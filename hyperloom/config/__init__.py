@@ -38,11 +38,17 @@ from hyperloom.config.parallel import (
 )
 from hyperloom.config.precision import FP8_GEMMS, PrecisionConfig
 from hyperloom.config.resilience import Fault, ResilienceConfig, parse_inject
-from hyperloom.config.train import RECOMPUTE_MODULES, TrainConfig, recompute_policy
+from hyperloom.config.train import (
+    RECOMPUTE_CANDIDATES,
+    RECOMPUTE_MODULES,
+    TrainConfig,
+    recompute_policy,
+)
 
 __all__ = [
     "FP8_GEMMS",
     "PIPELINE_SCHEDULES",
+    "RECOMPUTE_CANDIDATES",
     "RECOMPUTE_MODULES",
     "CheckpointConfig",
     "ConfigError",

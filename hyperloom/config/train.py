@@ -9,6 +9,9 @@ from hyperloom.config.base import knob, positive
 
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
 SELECTIVE = ("core_attn", "mlp_act")
+# What `train.recompute = "auto"` chooses among, in order of recompute work (planner.autorecompute)
+RECOMPUTE_CANDIDATES = ("none", "norm", "mlp_act", "core_attn", "selective",
+                        "core_attn,mlp_act,norm", "full")  # fmt: skip
 
 
 def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
@@ -16,6 +19,11 @@ def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
     ValueError says what is allowed. 'selective' is the cheap, memory-heavy pair (Megatron's
     selective recompute is core_attn alone)."""
     p = policy.strip().lower()
+    if p == "auto":
+        raise ValueError(
+            "auto is not a policy the model runs: the trainer asks the planner for one "
+            "(train.memory_budget_gb) before it builds the model"
+        )
     if p in ("none", ""):
         return False, frozenset()
     if p == "full":
@@ -66,9 +74,16 @@ class TrainConfig:
     recompute: str = knob(
         "none",
         "activation recompute: none, full (blocks keep only their input), selective "
-        "(core_attn,mlp_act), or a list of core_attn, mlp_act, norm (hyperloom.parallel.recompute)",
+        "(core_attn,mlp_act), a list of core_attn, mlp_act, norm (hyperloom.parallel.recompute), "
+        "or auto: per pipeline stage the least recompute whose predicted peak fits "
+        "train.memory_budget_gb (hyperloom.planner.autorecompute)",
     )
     recompute_layers: int = knob(0, "blocks per model chunk that recompute, first ones (0 = all)")
+    memory_budget_gb: float = knob(
+        0.0,
+        "recompute auto: the peak memory a rank may use, GB (0 = the device's capacity minus "
+        "the planner's margin; on CPU the host memory available, shared by the local ranks)",
+    )
     host_allocator: str = knob(
         "cache",
         "CPU runs: glibc malloc keeps freed memory for reuse, as a caching allocator does "
@@ -105,11 +120,24 @@ class TrainConfig:
             ("train.eval_every", t.eval_every),
             ("train.stop_at_step", t.stop_at_step),
             ("train.recompute_layers", t.recompute_layers),
+            ("train.memory_budget_gb", t.memory_budget_gb),
         ):
             if value < 0:
                 p.append(f"{key} must be >= 0, got {value}")
-        try:
-            recompute_policy(t.recompute)
-        except ValueError as exc:
-            p.append(f"train.recompute: {exc}")
+        if t.recompute.strip().lower() == "auto":
+            if t.recompute_layers:
+                p.append(
+                    "train.recompute = auto chooses a policy for whole model chunks; "
+                    f"set train.recompute_layers = 0 (got {t.recompute_layers})"
+                )
+        else:
+            try:
+                recompute_policy(t.recompute)
+            except ValueError as exc:
+                p.append(f"train.recompute: {exc}")
+            if t.memory_budget_gb:
+                p.append(
+                    f"train.memory_budget_gb = {t.memory_budget_gb} is read by "
+                    f"train.recompute = auto only (train.recompute = {t.recompute!r})"
+                )
         return p

@@ -324,6 +324,19 @@ def _runtime(args: argparse.Namespace):
     return rt
 
 
+def _auto_recompute(job, args: argparse.Namespace, plan_of, profile):
+    """The job's `train.recompute = auto`, chosen as the trainer chooses it
+    (planner.autorecompute), against `train.memory_budget_gb` or the profile's memory less
+    --margin-gib, from this command's own predictions. Stages that choose differently are
+    predicted as the costliest one's uniform plan, as the trainer's self-check does."""
+    from hyperloom.planner.autorecompute import choose_recompute
+
+    budget = job.train.memory_budget_gb * 1e9
+    if not budget:
+        budget = (profile.hbm_gib - args.margin_gib) * 2**30
+    return choose_recompute(plan_of, profile, budget)
+
+
 def _console() -> Console:
     probe = Console()
     return probe if probe.is_terminal else Console(width=170)
@@ -351,10 +364,22 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
         spec = ModelSpec.from_model_config(job.model)
         fp8 = True if args.fp8 else None
-        s = Strategy.from_job(job, args.schedule, args.vpp, args.recompute, fp8)
+        recompute = args.recompute
+        auto = recompute is None and job.train.recompute.strip().lower() == "auto"
+        s = Strategy.from_job(job, args.schedule, args.vpp, "none" if auto else recompute, fp8)
         if args.dispatcher:
             s = dataclasses.replace(s, dispatcher=args.dispatcher)
         seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
+        if auto:  # the policy the trainer will choose, from this command's own model
+            cluster = _cluster(args, gpus)
+
+            def plan_of(policy: str, s=s):
+                s = dataclasses.replace(s, recompute=policy)
+                return predict(spec, cluster, s, seq, rt, args.margin_gib)
+
+            choice = _auto_recompute(job, args, plan_of, cluster.profile)
+            out.print(choice.describe())
+            s = dataclasses.replace(s, recompute=choice.costliest)
     else:
         if not args.model:
             raise PlanError("give a job CONFIG to predict, or --model PRESET to search")

@@ -129,7 +129,13 @@ def ce_chunk_tokens(tokens: float, dim: int, vocab: float) -> int:
 
 
 def chunk_activation_extras(
-    spec: ModelSpec, s: Strategy, seq: int, first: bool, last: bool, fused_ce: bool = False
+    spec: ModelSpec,
+    s: Strategy,
+    seq: int,
+    first: bool,
+    last: bool,
+    fused_ce: bool = False,
+    act_width: float = 2.0,
 ):
     """Saved bytes of a chunk beyond its layers: on the last chunk the final norm's input and
     either the head's input and FP32 logits or, with the fused cross-entropy
@@ -143,10 +149,11 @@ def chunk_activation_extras(
     if first and spec.dropout:
         out += x_sp
     if last:  # and per MTP depth its own head input and logits
+        a = act_width
         if fused_ce:
-            head = 2 * x_sp + 4.0 * tokens * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
+            head = a * x_sp + 4.0 * tokens * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
         else:
-            head = 2 * x_sp + 2 * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
+            head = a * x_sp + a * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
         out += head * (1 + spec.mtp_depth)
     return out
 
@@ -244,7 +251,9 @@ def rank_memory(
     p, g, o = states(params, s, rt, expert)
     unit = max(
         (layers[c] + (spec.mtp_depth if c == last else 0)) * lm.saved
-        + chunk_activation_extras(spec, s, seq, c == 0, c == last, rt.fused_cross_entropy)
+        + chunk_activation_extras(
+            spec, s, seq, c == 0, c == last, rt.fused_cross_entropy, rt.act_width
+        )
         for c in chunks
     )
     n_layers = sum(layers[c] for c in chunks)

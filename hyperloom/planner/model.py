@@ -316,6 +316,7 @@ def build_layer(
     sharded_save: bool = True,
     ep: int = 1,
     per_op_casts: bool = False,
+    act_width: float = 2.0,
 ) -> Layer:
     """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks.
 
@@ -323,7 +324,12 @@ def build_layer(
     input for backward, and their FP32 output is cast to BF16 by autocast once per linear
     that reads it, each cast saved by its linear: three copies before q, k, v and two before
     a gated MLP's w1, w3 (measured with `saved_tensors_hooks` on our Llama: 10 B per token
-    and model dimension more than one BF16 norm output each; dense layers only)."""
+    and model dimension more than one BF16 norm output each; dense layers only).
+    `act_width` is bytes per activation element: 2 (BF16 autocast), 4 for a job trained in FP32
+    (no autocast, so no casts: `per_op_casts` must be off; dense layers only)."""
+    if per_op_casts and act_width != 2:
+        raise PlanError("autocast casts per op are BF16 activations (act_width 2)")
+    A = act_width  # noqa: N806 - bytes per activation element
     if spec.mla:
         return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep)
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
@@ -355,13 +361,13 @@ def build_layer(
         )
         scores = per * seq * seq
         core_bytes = scores * (9.0 if spec.dropout else 4.0)
-        core_saved = (Saved("softmax", 2 * scores, "core_attn"),)
+        core_saved = (Saved("softmax", A * scores, "core_attn"),)
         if spec.dropout:
             core_saved += (
                 Saved("attn_dropout_mask", scores, "core_attn"),
-                Saved("attn_dropout_out", 2 * scores, "core_attn"),
+                Saved("attn_dropout_out", A * scores, "core_attn"),
             )
-    norm_in = 4 * x_sp if per_op_casts else 2 * x_sp
+    norm_in = 4 * x_sp if per_op_casts else A * x_sp
     qkv_copies = 3 if per_op_casts else 1
     fc1_copies = (2 if spec.gated_mlp else 1) if per_op_casts else 1
     # A norm's output is what "norm" recompute drops; under autocast per op the linears keep
@@ -369,22 +375,22 @@ def build_layer(
     norm_out = "layer" if per_op_casts else "norm"
     saved = [
         Saved("norm1_in", norm_in, "input"),
-        Saved("qkv_in", 2 * x_in * qkv_copies, norm_out, gemm_input=True),
-        Saved("q", 2 * tokens * q / t, "layer"),
-        Saved("k", 2 * tokens * kv / t, "layer"),
-        Saved("v", 2 * tokens * kv / t, "layer"),
+        Saved("qkv_in", A * x_in * qkv_copies, norm_out, gemm_input=True),
+        Saved("q", A * tokens * q / t, "layer"),
+        Saved("k", A * tokens * kv / t, "layer"),
+        Saved("v", A * tokens * kv / t, "layer"),
         *core_saved,
-        Saved("out_in", 2 * tokens * q / t, "layer", gemm_input=True),
+        Saved("out_in", A * tokens * q / t, "layer", gemm_input=True),
         Saved("norm2_in", norm_in, "layer"),
-        Saved("fc1_in", 2 * x_in * fc1_copies, norm_out, gemm_input=True),
-        Saved("fc1_out", 2 * tokens * n_fc1 / t, "layer"),
-        Saved("fc2_in", 2 * tokens * f / t, "mlp_act", gemm_input=True),
+        Saved("fc1_in", A * x_in * fc1_copies, norm_out, gemm_input=True),
+        Saved("fc1_out", A * tokens * n_fc1 / t, "layer"),
+        Saved("fc2_in", A * tokens * f / t, "mlp_act", gemm_input=True),
     ]
     if spec.dropout:
         saved += [Saved("attn_out_mask", x_sp, "layer"), Saved("mlp_out_mask", x_sp, "layer")]
     if spec.qk_norm:  # the per-head norms' inputs and one fp32 1/rms per head row
         rows = tokens * (a + spec.n_kv_heads) / t
-        saved.append(Saved("qk_norm_in", 2 * tokens * (q + kv) / t + 4 * rows, "layer"))
+        saved.append(Saved("qk_norm_in", A * tokens * (q + kv) / t + 4 * rows, "layer"))
     act = (6.0 if spec.gated_mlp else 4.0) * tokens * f / t
     elementwise = (
         2 * 4.0 * x_sp  # two norms: read + write
@@ -394,7 +400,7 @@ def build_layer(
         + act
         + (2 * 5.0 * x_sp if spec.dropout else 0.0)
     )
-    grad_out = 2.0 * tokens * ((q + 2 * kv) / t + 2 * h + n_fc1 / t)
+    grad_out = A * tokens * ((q + 2 * kv) / t + 2 * h + n_fc1 / t)
     return Layer(
         gemms=gemms,
         attn_flops=attn_flops,
@@ -404,8 +410,8 @@ def build_layer(
         act_bytes=act,
         core_bytes=core_bytes,
         saved=tuple(saved),
-        tp_buffer=2.0 * x_full,
-        cp_buffer=2.0 * 2.0 * tokens * cp * kv / t,
+        tp_buffer=A * x_full,
+        cp_buffer=2.0 * A * tokens * cp * kv / t,
         grad_out_bytes=grad_out,
         seq=seq,
         cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyperloom.config import JobConfig
 from hyperloom.planner.errors import PlanError
@@ -23,6 +23,9 @@ from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile, load_profi
 from hyperloom.planner.host_memory import RuntimeMemoryProbe
 from hyperloom.planner.model import ModelSpec
 from hyperloom.planner.strategy import Runtime, Strategy
+
+if TYPE_CHECKING:
+    from hyperloom.planner.simulate import Plan
 
 log = logging.getLogger("hyperloom.planner")
 
@@ -53,14 +56,28 @@ def cached_profile(
     world: int,
     host_allocator: str = "cache",
     runtime_memory: RuntimeMemoryProbe | None = None,
+    isolate: bool = False,
 ) -> HardwareProfile:
     """This machine's measured profile for (device kind, dtype, world and, on CPU, the host
     allocator policy); measured if absent, with `runtime_memory` the trainer's probe for the
-    host-memory fit (`calibrate`)."""
+    host-memory fit (`calibrate`). `isolate` measures in a child process, so that a trainer
+    that has not built its model yet holds none of the calibration's memory or kernels (its
+    memory baseline and peak stay those of a run that found the cache)."""
     # the suffix is the profile's format: raise it when calibration measures something new
     policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v10.json"
+    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v11.json"
     if path.exists():
+        return load_profile(path)
+    if isolate:
+        import multiprocessing
+
+        log.info("calibrating the planner once, in a separate process (cached in %s)", path)
+        args = (cache, kind, dtype, world, host_allocator, runtime_memory)
+        child = multiprocessing.get_context("spawn").Process(target=_calibrate_child, args=args)
+        child.start()
+        child.join()
+        if child.exitcode or not path.exists():
+            raise OSError(f"planner calibration failed in its process (exit {child.exitcode})")
         return load_profile(path)
     from hyperloom.planner.calibrate import calibrate
 
@@ -77,6 +94,12 @@ def cached_profile(
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path, {"measurements": raw})
     return profile
+
+
+def _calibrate_child(*args) -> None:
+    """`cached_profile` in a spawned process, its progress on stderr."""
+    logging.basicConfig(level=logging.INFO, format="  %(message)s")
+    cached_profile(*args)
 
 
 def cpu_share(threads_per_rank: int, ranks_here: int, cores: int | None = None) -> float:
@@ -104,6 +127,33 @@ def oversubscribed_step(plan, ranks_here: int, demand_share: float) -> float:
     return max(plan.step_time, busy * ranks_here / plan.strategy.pp * demand_share)
 
 
+def job_plan(
+    job: JobConfig,
+    profile: HardwareProfile,
+    world: int,
+    compute_share: float = 1.0,
+    recompute: str | None = None,
+) -> Plan:
+    """The planner's prediction for the job as `hyperloom train` runs it on `world` ranks of
+    one machine described by `profile` (a rank getting `compute_share` of it), under the
+    job's recompute policy or `recompute`; PlanError if it cannot run."""
+    from hyperloom.planner.simulate import predict
+
+    if compute_share != 1.0:
+        profile = dataclasses.replace(
+            profile,
+            bf16_tflops=profile.bf16_tflops * compute_share,
+            hbm_gbs=profile.hbm_gbs * compute_share,
+        )
+    spec = ModelSpec.from_model_config(job.model, job.model.preset)
+    strategy = Strategy.from_job(job, recompute=recompute)
+    cluster = Cluster(profile, world, gpus_per_node=world)
+    rt = Runtime.from_job(job)
+    if profile.name == CPU_PROFILE:
+        rt = cpu_runtime(rt)
+    return predict(spec, cluster, strategy, job.data.seq_len, rt, margin_gib=0.0)
+
+
 def self_check(
     job: JobConfig,
     profile: HardwareProfile,
@@ -116,23 +166,8 @@ def self_check(
     """Predicted vs measured step time and peak memory, flat keys for summary.json.
     `compute_share` is one rank's share of the profile's machine (`cpu_share`); when the
     `ranks_here` ranks of this machine want more than all of it, `oversubscribed_step`."""
-    from hyperloom.planner.simulate import predict
-
-    if compute_share != 1.0:
-        profile = dataclasses.replace(
-            profile,
-            bf16_tflops=profile.bf16_tflops * compute_share,
-            hbm_gbs=profile.hbm_gbs * compute_share,
-        )
-
-    spec = ModelSpec.from_model_config(job.model, job.model.preset)
-    strategy = Strategy.from_job(job)
-    cluster = Cluster(profile, world, gpus_per_node=world)
     try:
-        rt = Runtime.from_job(job)
-        if profile.name == CPU_PROFILE:
-            rt = cpu_runtime(rt)
-        plan = predict(spec, cluster, strategy, job.data.seq_len, rt, margin_gib=0.0)
+        plan = job_plan(job, profile, world, compute_share)
     except PlanError as exc:
         return {"plan_error": str(exc)}
     step = plan.step_time

@@ -170,8 +170,9 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     links = links_for(cluster, key, spec, rt.a2a_node_dedup)
     acc = effective_profile(cluster, rt)
     layer = build_layer(
-        spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op
-    )
+        spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op,
+        rt.act_width,
+    )  # fmt: skip
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links, rt)
     head = head_phase(spec, key, seq, acc, links, rt)

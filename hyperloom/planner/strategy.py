@@ -84,13 +84,16 @@ class Runtime:
     # per-tensor recipes and DeepSeek-V3 do; hyperloom's block recipes save the input itself
     # unless `precision.fp8_activation` (`Runtime.from_job` reads the job).
     fp8_saved_inputs: bool = True
+    # Bytes per activation element: 2 under BF16 autocast; 4 when a job trains in FP32
+    # (`precision.dtype = fp32`: no autocast, no weight casts; dense layers).
+    act_width: float = 2.0
 
     @property
     def norm_out_bytes(self) -> float:
         """Bytes per element of a norm's output, which the column-parallel linears take: FP32
         under autocast per op (the norm runs in FP32 and each linear casts its own copy),
-        BF16 otherwise."""
-        return 4.0 if self.autocast_per_op else 2.0
+        the activations' width otherwise."""
+        return 4.0 if self.autocast_per_op else self.act_width
 
     def with_param_dtype(self, dtype: str) -> Runtime:
         """'bf16': BF16 params + FP32 master in the optimizer (Megatron's layout)."""
@@ -107,14 +110,19 @@ class Runtime:
         operator); FP8 layers save their inputs' FP8 copies under `precision.fp8_activation`,
         and per-tensor recipes (current, delayed) whenever their weight-gradient GEMM is FP8
         (`engine.fp8.modules`): with the forward and weight-gradient GEMMs both in high
-        precision nothing is quantized to keep."""
+        precision nothing is quantized to keep. A job trained in FP32 keeps FP32 activations."""
         ops, p8 = job.ops, job.precision
         fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
         high = set(p8.fp8_high_precision)
         quantized = not {"fprop", "wgrad"} <= high
         per_tensor = p8.fp8 in ("current", "delayed") and "wgrad" not in high
         copies = quantized and (p8.fp8_activation or per_tensor)
-        return job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
+        rt = job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
+        if p8.dtype == "fp32":  # no autocast: FP32 activations, no casts
+            rt = dataclasses.replace(
+                rt, act_width=4.0, autocast_per_op=False, autocast_weight_copy=False
+            )
+        return rt
 
 
 def job_runtime(

@@ -9,6 +9,7 @@ one bit for bit on CPU; `train.stop_at_step` makes such a split.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -73,12 +74,18 @@ class Trainer:
         if (cfg.ops.fused and cfg.ops.compile) or t.compile:
             preload_triton()  # torch.compile would import it inside the first step
         self.memory_baseline = self.acc.current_memory_bytes()
+        # recompute auto: the planner picks this stage's policy; `run_cfg` is what runs
+        self.recompute_choice = self._choose_recompute() if t.recompute == "auto" else None
+        self.run_cfg = cfg
+        if self.recompute_choice is not None:
+            policy = self.recompute_choice.policies[self.mesh.rank("pp")]
+            self.run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, recompute=policy))
         if cfg.parallel.pp > 1:  # stages of the model on this rank, run by a schedule
             self.pm = build_pipeline(
-                cfg, self.mesh, self.acc.device, lambda: self.acc.autocast(self.dtype)
+                self.run_cfg, self.mesh, self.acc.device, lambda: self.acc.autocast(self.dtype)
             )
         else:
-            self.pm = build_parallel_model(cfg, self.mesh, self.acc.device)
+            self.pm = build_parallel_model(self.run_cfg, self.mesh, self.acc.device)
         self.model = self.pm.inner
         self.fwd = self.pm.forward_module
         self.optimizer = build_optimizer(self.pm, t)
@@ -317,27 +324,81 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def _self_check(self, step_s: float, peak_bytes: float) -> dict[str, Any]:
-        """The planner's prediction for this job beside the measurement (planner.selfcheck)."""
+    def _plan_profile(self, before_model: bool = False):
+        """(hardware profile, this rank's share of it, ranks on this machine) for the planner:
+        `logging.self_check`'s JSON, or this machine's profile, calibrated once and cached.
+        `before_model` (recompute auto): a calibration runs in its own process, and with
+        self_check off the profile is an uncalibrated one of this device's memory (auto
+        still needs the planner's memory model)."""
         from hyperloom.data.build import cache_root
-        from hyperloom.planner.hardware import load_profile
-        from hyperloom.planner.selfcheck import CPU_PROFILE, cached_profile, cpu_share, self_check
+        from hyperloom.planner.hardware import HardwareProfile, load_profile
+        from hyperloom.planner.selfcheck import CPU_PROFILE, cached_profile, cpu_share
         from hyperloom.train.probe import measure_runtime_memory
 
         cfg, world = self.cfg, self.mesh.world_size
         choice = cfg.logging.self_check
+        if choice == "off" and before_model:
+            gib = self.acc.memory_capacity_bytes() / 2**30
+            profile = HardwareProfile(f"uncalibrated-{self.acc.kind}", 1.0, 0.0, gib, 100.0, 1.0)
+            return profile, 1.0, 1
+        if choice == "auto":  # calibrates once; the trainer measures the host memory fit
+            root = cache_root(cfg.data)
+            kind, dtype, policy = self.acc.kind, cfg.precision.dtype, cfg.train.host_allocator
+            profile = cached_profile(
+                root, kind, dtype, world, policy, measure_runtime_memory, isolate=before_model
+            )
+        else:
+            profile = load_profile(choice)
+        share, local = 1.0, 1
+        if profile.name == CPU_PROFILE:  # all cores measured; a rank gets a share
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            share = cpu_share(torch.get_num_threads(), local)
+        return profile, share, local
+
+    def _choose_recompute(self):
+        """`train.recompute = auto`: the main rank asks the planner for each stage's policy
+        (planner.autorecompute) and tells the others; a budget nothing fits is a ConfigError
+        on every rank."""
+        from hyperloom.config import ConfigError
+        from hyperloom.planner import PlanError
+        from hyperloom.planner.autorecompute import for_job
+        from hyperloom.planner.simulate import DEFAULT_MARGIN_GIB
+
+        box: list[Any] = [None]
+        if self.mesh.is_main:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            budget = self.cfg.train.memory_budget_gb * 1e9
+            if not budget:  # the device's capacity less the planner's margin, or 10%
+                capacity = self.acc.memory_capacity_bytes() / (
+                    local if self.acc.kind == "cpu" else 1
+                )
+                budget = capacity - min(DEFAULT_MARGIN_GIB * 2**30, 0.1 * capacity)
+            try:
+                profile, share, _ = self._plan_profile(before_model=True)
+                box[0] = for_job(
+                    self.cfg, profile, self.mesh.world_size, budget, self.memory_baseline, share
+                )
+                log.info("%s", box[0].describe())
+            except (PlanError, OSError, ValueError) as exc:
+                box[0] = f"train.recompute = auto: {exc}"
+        if self.mesh.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise ConfigError(box[0])
+        return box[0]
+
+    def _self_check(self, step_s: float, peak_bytes: float) -> dict[str, Any]:
+        """The planner's prediction for this job beside the measurement (planner.selfcheck);
+        under recompute auto, for the costliest policy a stage runs."""
+        from hyperloom.planner.selfcheck import self_check
+
+        cfg = self.cfg
+        if self.recompute_choice is not None:
+            train = dataclasses.replace(cfg.train, recompute=self.recompute_choice.costliest)
+            cfg = dataclasses.replace(cfg, train=train)
         try:
-            if choice == "auto":  # calibrates once; the trainer measures the host memory fit
-                root = cache_root(cfg.data)
-                kind, dtype, policy = self.acc.kind, cfg.precision.dtype, cfg.train.host_allocator
-                profile = cached_profile(root, kind, dtype, world, policy, measure_runtime_memory)
-            else:
-                profile = load_profile(choice)
-            share, local = 1.0, 1
-            if profile.name == CPU_PROFILE:  # all cores measured; a rank gets a share
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-                share = cpu_share(torch.get_num_threads(), local)
-            return self_check(cfg, profile, world, step_s, peak_bytes, share, local)
+            profile, share, local = self._plan_profile()
+            return self_check(cfg, profile, self.mesh.world_size, step_s, peak_bytes, share, local)
         except Exception as exc:  # noqa: BLE001 - a failed prediction must not fail the run
             log.warning("planner self-check skipped: %s", exc)
             return {"plan_error": str(exc)}
@@ -464,7 +525,22 @@ class Trainer:
         if self.host_allocator is not None:
             summary["host_allocator"] = self.host_allocator
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
-        above_baseline = max(self._per_rank(train_peak - self.memory_baseline))
+        measured = self._per_rank(train_peak - self.memory_baseline)
+        above_baseline = max(measured)
+        whole = self._per_rank(train_peak) if self.recompute_choice is not None else []
+        if self.recompute_choice is not None:  # the choice beside what each rank measured
+            choice = self.recompute_choice
+            summary["recompute_auto"] = choice.summary() | {
+                "measured_peak_gb_by_rank": [round(b / 1e9, 4) for b in whole],
+                "measured_above_baseline_gb_by_rank": [round(b / 1e9, 4) for b in measured],
+            }
+            if main:
+                log.info(
+                    "recompute auto: %s; predicted peak %s GB by stage, measured %s GB by rank",
+                    ", ".join(choice.policies),
+                    ", ".join(f"{(b + choice.held_bytes) / 1e9:.3f}" for b in choice.peaks),
+                    ", ".join(f"{b / 1e9:.3f}" for b in whole),
+                )
         steps_run = self.step - first_step
         if main and lg.self_check != "off" and steps_run:
             summary.update(self._self_check(train_time / steps_run, above_baseline))

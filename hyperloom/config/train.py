@@ -7,17 +7,18 @@ from typing import TYPE_CHECKING
 
 from hyperloom.config.base import knob, positive
 
-RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm", "experts")
 SELECTIVE = ("core_attn", "mlp_act")
 # What `train.recompute = "auto"` chooses among, in order of recompute work (planner.autorecompute)
 RECOMPUTE_CANDIDATES = ("none", "norm", "mlp_act", "core_attn", "selective",
-                        "core_attn,mlp_act,norm", "full")  # fmt: skip
+                        "core_attn,mlp_act,norm", "experts", "selective,experts",
+                        "core_attn,mlp_act,norm,experts", "full")  # fmt: skip
 
 
 def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
     """'none' | 'full' | 'selective' | 'core_attn,mlp_act,...' -> (full, modules); a
     ValueError says what is allowed. 'selective' is the cheap, memory-heavy pair (Megatron's
-    selective recompute is core_attn alone)."""
+    selective recompute is core_attn alone), also inside a list ('selective,experts')."""
     p = policy.strip().lower()
     if p == "auto":
         raise ValueError(
@@ -28,14 +29,13 @@ def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
         return False, frozenset()
     if p == "full":
         return True, frozenset(RECOMPUTE_MODULES)
-    if p == "selective":
-        return False, frozenset(SELECTIVE)
-    mods = frozenset(m.strip() for m in p.replace("+", ",").split(",") if m.strip())
+    named = {m.strip() for m in p.replace("+", ",").split(",") if m.strip()}
+    mods = frozenset((named - {"selective"}) | (set(SELECTIVE) if "selective" in named else set()))
     bad = sorted(mods - set(RECOMPUTE_MODULES))
     if bad:
         raise ValueError(
             f"unknown recompute module(s) {bad}; use none, full, selective or a list of "
-            f"{', '.join(RECOMPUTE_MODULES)}"
+            f"{', '.join(RECOMPUTE_MODULES)} (selective may stand for core_attn,mlp_act in it)"
         )
     return False, mods
 
@@ -74,7 +74,8 @@ class TrainConfig:
     recompute: str = knob(
         "none",
         "activation recompute: none, full (blocks keep only their input), selective "
-        "(core_attn,mlp_act), a list of core_attn, mlp_act, norm (hyperloom.parallel.recompute), "
+        "(core_attn,mlp_act), a list of core_attn, mlp_act, norm, experts (DeepSeek's routed "
+        "experts; hyperloom.parallel.recompute), "
         "or auto: per pipeline stage the least recompute whose predicted peak fits "
         "train.memory_budget_gb (hyperloom.planner.autorecompute)",
     )

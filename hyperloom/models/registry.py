@@ -57,8 +57,7 @@ def _llama() -> ModelFamily:
 
 def _deepseek() -> ModelFamily:
     from hyperloom.models import deepseek
-    from hyperloom.models.deepseek.plan import pipeline_chunk, tp_plan
-    from hyperloom.models.llama.plan import recompute_plan  # the same block layout
+    from hyperloom.models.deepseek.plan import pipeline_chunk, recompute_plan, tp_plan
 
     def build(cfg: ModelConfig) -> nn.Module:
         return deepseek.DeepSeekV3(cfg)

@@ -220,10 +220,15 @@ def layer_phase(
     if full:
         recompute = f
     else:
+        routed_act = layer.expert_act_bytes
         recompute = (attn_f if "core_attn" in mods else 0.0) + (
-            acc.elementwise_time(layer.act_bytes) if "mlp_act" in mods else 0.0
+            acc.elementwise_time(layer.act_bytes - routed_act) if "mlp_act" in mods else 0.0
         )
         recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
+        if "experts" in mods:  # the routed bank's forward again (and its EP dispatch)
+            experts = [g for g in layer.gemms if g.name.startswith("experts_")]
+            recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in experts)
+            recompute += acc.elementwise_time(routed_act) + ep_f
     b = gemm + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
     w = gemm + tp_w + weight_cast
     return Phase(

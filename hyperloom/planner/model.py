@@ -291,6 +291,7 @@ class Layer:
     cp_buffer: float  # bytes of the full K+V gathered over cp
     grad_out_bytes: float  # output-gradient bytes of the GEMMs (Zero Bubble's W keeps them)
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
+    expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
     # Without sp, the backward's TP all-reduces when they are not two of tp_buffer: DeepSeek's
@@ -326,12 +327,12 @@ def build_layer(
     a gated MLP's w1, w3 (measured with `saved_tensors_hooks` on our Llama: 10 B per token
     and model dimension more than one BF16 norm output each; dense layers only).
     `act_width` is bytes per activation element: 2 (BF16 autocast), 4 for a job trained in FP32
-    (no autocast, so no casts: `per_op_casts` must be off; dense layers only)."""
+    (no autocast, so no casts: `per_op_casts` must be off)."""
     if per_op_casts and act_width != 2:
         raise PlanError("autocast casts per op are BF16 activations (act_width 2)")
     A = act_width  # noqa: N806 - bytes per activation element
     if spec.mla:
-        return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep)
+        return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep, act_width)
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
     t, tokens = tp, mbs * seq / cp  # tokens this rank owns along the sequence
     sp = sp and t > 1
@@ -420,7 +421,15 @@ def build_layer(
 
 
 def _build_deepseek_layer(
-    spec: ModelSpec, mbs: int, seq: int, tp: int, cp: int, sp: bool, sharded_save: bool, ep: int
+    spec: ModelSpec,
+    mbs: int,
+    seq: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    sharded_save: bool,
+    ep: int,
+    act_width: float = 2.0,
 ) -> Layer:
     """The mean DeepSeek layer: MLA plus, weighted by their share of the layers, the dense
     SwiGLU FFN of the first `n_dense_layers` and the MoE FFN of the rest (GEMM `count` and
@@ -438,8 +447,10 @@ def _build_deepseek_layer(
     Expert parallelism: one dispatch all-to-all sends the routed copies of this rank's tokens,
     tokens x top_k x dim BF16 elements (over tp when tp > 1: each tensor-parallel rank sends
     its 1/tp share and the expert-tp group gathers them back, see `costs.layer_phase`).
+    `act_width`: bytes per activation element, as in `build_layer`.
     """
     h, a, t = spec.dim, spec.n_heads, tp
+    A = act_width  # noqa: N806 - bytes per activation element
     tokens = mbs * seq / cp
     sp = sp and t > 1
     x_full = tokens * h
@@ -491,37 +502,39 @@ def _build_deepseek_layer(
     heads = a / t
     full_core = 2.0 * tokens * seq * (q_dim + v_dim) / t
     saved = [
-        Saved("norm1_in", 2 * x_sp, "input"),
-        Saved("attn_in", 2 * x_in, "norm", gemm_input=True),
-        Saved("q_latent", 2 * tokens * (ql + ql), "layer", gemm_input=True),  # pre/post norm
-        Saved("kv_latent", 2 * tokens * (2 * kvl + rope), "layer", gemm_input=True),
-        Saved("q", 2 * tokens * q_dim / t, "layer"),
-        Saved("k", 2 * tokens * q_dim / t, "layer"),
-        Saved("v", 2 * tokens * v_dim / t, "layer"),
+        Saved("norm1_in", A * x_sp, "input"),
+        Saved("attn_in", A * x_in, "norm", gemm_input=True),
+        Saved("q_latent", A * tokens * (ql + ql), "layer", gemm_input=True),  # pre/post norm
+        Saved("kv_latent", A * tokens * (2 * kvl + rope), "layer", gemm_input=True),
+        Saved("q", A * tokens * q_dim / t, "layer"),
+        Saved("k", A * tokens * q_dim / t, "layer"),
+        Saved("v", A * tokens * v_dim / t, "layer"),
         Saved("lse", 4 * tokens * heads, "core_attn"),
-        Saved("out_in", 2 * tokens * v_dim / t, "layer", gemm_input=True),
-        Saved("norm2_in", 2 * x_sp, "layer"),
-        Saved("ffn_in", 2 * x_in, "norm", gemm_input=True),
+        Saved("out_in", A * tokens * v_dim / t, "layer", gemm_input=True),
+        Saved("norm2_in", A * x_sp, "layer"),
+        Saved("ffn_in", A * x_in, "norm", gemm_input=True),
     ]
     if wd:
         saved += [
-            Saved("fc1_out", wd * 2 * tokens * 2 * f / t, "layer"),
-            Saved("fc2_in", wd * 2 * tokens * f / t, "mlp_act", gemm_input=True),
+            Saved("fc1_out", wd * A * tokens * 2 * f / t, "layer"),
+            Saved("fc2_in", wd * A * tokens * f / t, "mlp_act", gemm_input=True),
         ]
     act = 6.0 * tokens * wd * f / t
+    expert_act = 0.0  # the routed experts' share of `act`
     permute = 0.0
     if wm:
         shared = S * fe / t
         saved += [
             Saved("router_probs", wm * 4 * tokens * E * 2, "layer"),
-            Saved("shared_fc1_out", wm * 2 * tokens * 2 * shared, "layer"),
-            Saved("shared_fc2_in", wm * 2 * tokens * shared, "mlp_act", gemm_input=True),
-            Saved("dispatched", wm * 2 * routed_rows * h, "layer", gemm_input=True),
-            Saved("experts_fc1_out", wm * 2 * routed_rows * 2 * fe / t, "layer"),
-            Saved("experts_fc2_in", wm * 2 * routed_rows * fe / t, "mlp_act", gemm_input=True),
-            Saved("experts_out", wm * 2 * routed_rows * h, "layer"),
+            Saved("shared_fc1_out", wm * A * tokens * 2 * shared, "layer"),
+            Saved("shared_fc2_in", wm * A * tokens * shared, "mlp_act", gemm_input=True),
+            Saved("dispatched", wm * A * routed_rows * h, "layer", gemm_input=True),
+            Saved("experts_fc1_out", wm * A * routed_rows * 2 * fe / t, "experts"),
+            Saved("experts_fc2_in", wm * A * routed_rows * fe / t, "experts", gemm_input=True),
+            Saved("experts_out", wm * A * routed_rows * h, "layer"),
         ]
-        act += wm * 6.0 * (tokens * shared + routed_rows * fe / t)
+        expert_act = wm * 6.0 * routed_rows * fe / t
+        act += wm * 6.0 * tokens * shared + expert_act
         # router softmax/sigmoid + top-k (fp32), permute in and out, weighted combine
         permute = wm * (8.0 * tokens * E + 2 * 4.0 * routed_rows * h + 6.0 * routed_rows * h)
     norms = 2 * 4.0 * x_sp + 4.0 * tokens * (ql + kvl)
@@ -542,11 +555,12 @@ def _build_deepseek_layer(
         act_bytes=act,
         core_bytes=0.0,
         saved=tuple(saved),
-        tp_buffer=2.0 * x_full,
+        tp_buffer=A * x_full,
         cp_buffer=2.0 * tokens * cp * (q_dim + v_dim) / t,
         grad_out_bytes=grad_out,
         seq=seq,
         moe_fraction=wm,
+        expert_act_bytes=expert_act,
         dispatch_bytes=dispatch,
         # hyperloom.models.deepseek.plan: wq_a's and wkv_a's output gradients (or wq's input
         # gradient without q_lora), then the FFN block's input gradient

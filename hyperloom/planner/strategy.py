@@ -85,7 +85,7 @@ class Runtime:
     # unless `precision.fp8_activation` (`Runtime.from_job` reads the job).
     fp8_saved_inputs: bool = True
     # Bytes per activation element: 2 under BF16 autocast; 4 when a job trains in FP32
-    # (`precision.dtype = fp32`: no autocast, no weight casts; dense layers).
+    # (`precision.dtype = fp32`: no autocast, no weight casts).
     act_width: float = 2.0
 
     @property

@@ -36,6 +36,25 @@ _MLA = {
 }
 _SWIGLU = {"": "tp_input", ".w1": "colwise", ".w3": "colwise", ".w2": "rowwise"}
 
+# Where each recompute module sits in a block (`hyperloom.parallel.recompute`): Llama's, plus
+# the shared experts' activation under "mlp_act", and "experts": the routed experts' bank
+# checkpointed whole (Megatron's "moe" recompute), keeping only the dispatched rows; under
+# expert parallelism the bank holds the dispatch, which the recompute runs again.
+RECOMPUTE_PLAN: dict[str, list] = {
+    "core_attn": ["attention.core_attention"],
+    "mlp_act": [
+        ("feed_forward.act", "feed_forward.w2"),
+        ("feed_forward.shared.act", "feed_forward.shared.w2"),
+    ],
+    "norm": [("attention_norm", "attention"), ("ffn_norm", "feed_forward")],
+    "experts": ["feed_forward.experts"],
+}
+
+
+def recompute_plan(cfg: ModelConfig) -> dict[str, list]:
+    """RECOMPUTE_PLAN: one for every shape of the family."""
+    return RECOMPUTE_PLAN
+
 
 def tp_plan(cfg: ModelConfig) -> dict[str, str]:
     """Module path pattern -> tensor-parallel style for this model's shape (see above)."""

@@ -89,11 +89,16 @@ def predicted_live_bytes(nproc: int, overrides: list[str]) -> float:
     return self_check(job, neutral, nproc, None, None)["predicted_live_memory_gb"] * 1e9
 
 
-def probe(name: str, nproc: int, steps: int, results: str) -> list[dict]:
-    """Every rank's record for one layout (each rank a fresh process, under torchrun)."""
+def probe(
+    name: str, nproc: int, steps: int, results: str, overrides: list[str] | None = None
+) -> list[dict]:
+    """Every rank's record for one layout (each rank a fresh process, under torchrun): one of
+    `planner_validation.CONFIGS` by name, or `overrides` of configs/tiny.toml."""
     out = Path(results).with_suffix("")
     me = [str(Path(__file__).resolve()), "--layout", name, "--steps", str(steps)]
     me += ["--out", results, "--rank-worker"]
+    if overrides is not None:
+        me += ["--overrides", json.dumps(overrides)]
     launch = [sys.executable] + (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         if nproc > 1
@@ -119,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", default=str(HERE / "results" / "planner_memory_probe.json"))
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", default="", help=argparse.SUPPRESS)  # JSON list (`probe`)
     args = p.parse_args(argv)
+    if args.rank_worker and args.overrides:
+        _rank(args.layout, json.loads(args.overrides), args.steps, Path(args.out).with_suffix(""))
+        return 0
     chosen = names if args.layout == "all" else args.layout.split(",")
     unknown = sorted(set(chosen) - set(names))
     if unknown:

@@ -46,8 +46,9 @@ CONFIGS: list[tuple[str, int, list[str]]] = [
 ]  # fmt: skip
 
 
-def calibrate(out: Path) -> Path:
+def calibrate(out: Path, dtype: str = "bf16") -> Path:
     cmd = [sys.executable, "-m", "hyperloom", "plan", "calibrate", "--out", str(out)]
+    cmd += ["--dtype", dtype]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out
 

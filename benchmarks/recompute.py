@@ -7,6 +7,11 @@ first) puts the predicted peak memory above the pre-model baseline and step time
 measured ones. Then `auto` runs with a budget halfway between the measured `full` and `none`
 peaks: it must fit and be no more than 5% slower than the fastest policy that fits.
 
+Live bytes: the same jobs under `planner_memory_probe.py`, which polls glibc's live heap
+bytes through a step: the peak of the tensors themselves (what a device's caching allocator
+reports as max allocated) beside the planner's live peak, without the host allocator's
+resident extra, which the training runs' peak RSS includes.
+
 Blocks: what a transformer block keeps for its backward, counted by a saved-tensor hook in
 one forward (each storage once, parameters and buffers not counted -- the planner counts
 those, and under BF16 autocast the weights' casts, once per step, not per micro-batch),
@@ -37,7 +42,8 @@ from hyperloom.planner import ModelSpec
 from hyperloom.planner.memory import saved_bytes
 from hyperloom.planner.model import build_layer
 
-POLICIES = list(RECOMPUTE_CANDIDATES)
+# the default model is dense: the routed experts' module has nothing to recompute there
+POLICIES = [p for p in RECOMPUTE_CANDIDATES if "experts" not in p]
 DEFAULT_JSON = Path(__file__).parent / "results" / "recompute.json"
 
 
@@ -92,7 +98,7 @@ def train_runs(args: argparse.Namespace, console: Console) -> dict:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         console.print("calibrating the planner on this machine ...")
-        profile = calibrate(tmp / "profile.json")
+        profile = calibrate(tmp / "profile.json", "fp32")  # the runs' dtype
         for i, policy in enumerate([*POLICIES, "auto"], 1):
             extra = [*shape, "--train.recompute", policy]
             if policy == "auto":
@@ -111,6 +117,36 @@ def train_runs(args: argparse.Namespace, console: Console) -> dict:
             runs[policy] = r
             rows.append(r)
     return check(rows, runs, console)
+
+
+def live_runs(args: argparse.Namespace, console: Console) -> list[dict]:
+    """Per policy, the live heap bytes at the step's peak (glibc's, polled through a step by
+    `planner_memory_probe.py`; on a device the caching allocator's max allocated) beside the
+    planner's live peak: the memory model without the host allocator's resident extra."""
+    from planner_memory_probe import predicted_live_bytes, probe
+
+    shape = ["--train.micro_batch_size", str(args.mbs), "--data.seq_len", str(args.seq),
+             "--precision.dtype", "fp32"]  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, policy in enumerate(POLICIES, 1):
+            console.print(f"[{i}/{len(POLICIES)}] live bytes under --train.recompute {policy}")
+            overrides = [*shape, "--train.recompute", policy]
+            (rank,) = probe(policy, 1, 2, str(Path(tmp) / "probe.json"), overrides)
+            predicted = predicted_live_bytes(1, overrides)
+            measured = rank["live_peak_last_step"]
+            rows.append({"policy": policy, "measured_live_gb": measured / 1e9,
+                         "predicted_live_gb": predicted / 1e9,
+                         "error": predicted / measured - 1,
+                         "resident_gb": rank["resident_peak"] / 1e9})  # fmt: skip
+    table = Table(title="live bytes at the step's peak (above baseline): predicted vs measured")
+    for col in ("policy", "live meas GB", "live pred GB", "error", "resident GB"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        table.add_row(r["policy"], f"{r['measured_live_gb']:.3f}", f"{r['predicted_live_gb']:.3f}",
+                      f"{r['error']:+.1%}", f"{r['resident_gb']:.3f}")  # fmt: skip
+    console.print(table)
+    return rows
 
 
 def check(rows: list[dict], runs: dict, console: Console) -> dict:
@@ -196,6 +232,24 @@ def main(argv: list[str] | None = None) -> None:
     record = {"settings": vars(args) | {"json": str(args.json)}, "blocks": blocks}
     if not args.skip_train:
         record["train"] = train_runs(args, console)
+        record["live"] = live_runs(args, console)
+        live = record["live"]
+        order = [r["policy"] for r in sorted(live, key=lambda r: -r["measured_live_gb"])]
+        predicted = [r["policy"] for r in sorted(live, key=lambda r: -r["predicted_live_gb"])]
+        within = sum(abs(r["error"]) <= 0.10 for r in live)
+        # pairs the planner separates by more than 2%: does the measurement order them so?
+        pairs = [(a, b) for a in live for b in live
+                 if a["predicted_live_gb"] > 1.02 * b["predicted_live_gb"]]  # fmt: skip
+        agree = sum(a["measured_live_gb"] > b["measured_live_gb"] for a, b in pairs)
+        record["train"]["checks"] |= {
+            "live_order_measured": order,
+            "live_order_predicted": predicted,
+            "live_pairs_ordered_as_predicted": [agree, len(pairs)],
+            "live_within_10pct": within,
+        }
+        console.print(f"live peak order measured {order}\n                predicted "
+                      f"{predicted}; pairs apart by > 2% ordered as predicted: {agree}/"
+                      f"{len(pairs)}; within 10%: {within}/{len(live)}")  # fmt: skip
     record["machine"] = machine.machine_info(0, "cpu")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     machine.write_results(args.json, record)

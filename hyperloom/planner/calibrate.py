@@ -558,6 +558,7 @@ def cmd_calibrate(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe |
             console.log(text)
 
         profile, raw = calibrate(
+            dtype=getattr(args, "dtype", "bf16"),
             quick=args.quick,
             host_allocator=args.host_allocator,
             progress=progress,

@@ -5,7 +5,7 @@
     hyperloom plan search --model llama3-70b --gpus 1024 --accelerator h100
                    --global-batch 1024 --seq 8192 [--top 10] [--fix tp=8,pp=4/8]
     hyperloom plan search CONFIG.toml [--section.key value ...] [--fix ...]
-    hyperloom plan calibrate [--out profile.json] [--quick]
+    hyperloom plan calibrate [--out profile.json] [--quick] [--dtype fp32]
 
 `predict` reads the same TOML (and dotted overrides) as `hyperloom train`, takes the layout
 from [parallel], the micro-batch size and count from [train] and the sequence length from
@@ -172,6 +172,12 @@ def _calibrate_args(p: argparse.ArgumentParser, mode: str = "") -> None:
         choices=["cache", "system"],
         default="cache",
         help=f"{mode}on CPU, the training runs' train.host_allocator policy",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help=f"{mode}the training runs' precision.dtype (the GEMMs and kernels measured in it)",
     )
 
 

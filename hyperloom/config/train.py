@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 from hyperloom.config.base import knob, positive
 
-RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm", "experts")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "norm", "experts", "mla_up")
 SELECTIVE = ("core_attn", "mlp_act")
 # What `train.recompute = "auto"` chooses among, in order of recompute work (planner.autorecompute)
 RECOMPUTE_CANDIDATES = ("none", "norm", "mlp_act", "core_attn", "selective",
-                        "core_attn,mlp_act,norm", "experts", "selective,experts",
-                        "core_attn,mlp_act,norm,experts", "full")  # fmt: skip
+                        "core_attn,mlp_act,norm", "experts", "selective,experts", "mla_up",
+                        "mla_up,mlp_act,experts", "core_attn,mlp_act,norm,experts,mla_up",
+                        "full")  # fmt: skip
 
 
 def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
@@ -74,8 +75,9 @@ class TrainConfig:
     recompute: str = knob(
         "none",
         "activation recompute: none, full (blocks keep only their input), selective "
-        "(core_attn,mlp_act), a list of core_attn, mlp_act, norm, experts (DeepSeek's routed "
-        "experts; hyperloom.parallel.recompute), "
+        "(core_attn,mlp_act), a list of core_attn, mlp_act, norm, and for the DeepSeek family "
+        "experts (the routed experts) and mla_up (MLA's up-projections with the attention "
+        "core; hyperloom.parallel.recompute), "
         "or auto: per pipeline stage the least recompute whose predicted peak fits "
         "train.memory_budget_gb (hyperloom.planner.autorecompute)",
     )

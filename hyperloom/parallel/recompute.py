@@ -11,7 +11,9 @@
   down projection multiplies, a norm's output the block's input projections multiply) once
   that module has run, and compute it again just before that module's backward needs it,
   from inputs that are stored anyway -- Megatron's "output-discarding checkpoint";
-- "selective" is core_attn + mlp_act: the cheap, memory-heavy pieces.
+- "selective" is core_attn + mlp_act: the cheap, memory-heavy pieces;
+- DeepSeek's "experts" (the routed experts' bank) and "mla_up" (MLA's up-projections, query
+  RoPE and attention core) are regions checkpointed whole.
 
 `train.recompute_layers` limits it to the first N blocks of each model chunk.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -79,13 +82,18 @@ def _recomputes(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
+_inside = threading.local()  # how many checkpointed regions this thread is running
+
+
 def _checkpoint_forward(module: nn.Module) -> None:
-    """The module's forward becomes a checkpointed region; its parameters keep their names."""
+    """The module's forward becomes a checkpointed region; its parameters keep their names.
+    A region run inside another (mla_up holds the attention core) runs plainly: the outer
+    one recomputes it once."""
     forward = module.forward
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if not _recomputes(module):
+        if not _recomputes(module) or getattr(_inside, "depth", 0):
             return forward(*args, **kwargs)
         replay = Replay()
         modes = _get_current_function_mode_stack()  # e.g. a pipeline's split backward
@@ -95,7 +103,11 @@ def _checkpoint_forward(module: nn.Module) -> None:
                 if replay.replaying:  # the recompute runs in the backward, outside them
                     for mode in modes:
                         stack.enter_context(mode)
-                return forward(*a, **k)
+                _inside.depth = getattr(_inside, "depth", 0) + 1
+                try:
+                    return forward(*a, **k)
+                finally:
+                    _inside.depth -= 1
 
         return checkpoint(region, *args, use_reentrant=False, **kwargs)
 

@@ -221,7 +221,9 @@ def layer_phase(
         recompute = f
     else:
         routed_act = layer.expert_act_bytes
-        recompute = (attn_f if "core_attn" in mods else 0.0) + (
+        mla_up = "mla_up" in mods and spec.mla  # a region holding the core (DeepSeek)
+        core = "core_attn" in mods or mla_up
+        recompute = (attn_f if core else 0.0) + (
             acc.elementwise_time(layer.act_bytes - routed_act) if "mlp_act" in mods else 0.0
         )
         recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
@@ -229,6 +231,9 @@ def layer_phase(
             experts = [g for g in layer.gemms if g.name.startswith("experts_")]
             recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in experts)
             recompute += acc.elementwise_time(routed_act) + ep_f
+        if mla_up:  # MLA's up-projections from the latents
+            ups = [g for g in layer.gemms if g.name in ("wq_b", "wq", "wkv_b")]
+            recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in ups)
     b = gemm + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
     w = gemm + tp_w + weight_cast
     return Phase(

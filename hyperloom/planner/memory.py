@@ -87,7 +87,7 @@ def saved_bytes(layer: Layer, recompute: str, fp8: bool = False) -> float:
     for t in layer.saved:
         if full and t.module != "input":
             continue
-        if t.module in mods:
+        if t.module in mods or t.also in mods:
             continue
         total += t.nbytes / 2 if (fp8 and t.gemm_input) else t.nbytes
     return total

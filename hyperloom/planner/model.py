@@ -273,6 +273,7 @@ class Saved:
     nbytes: float
     module: str
     gemm_input: bool = False
+    also: str = ""  # a second module that drops it (the core's lse goes with mla_up too)
 
 
 @dataclass(frozen=True)
@@ -506,10 +507,11 @@ def _build_deepseek_layer(
         Saved("attn_in", A * x_in, "norm", gemm_input=True),
         Saved("q_latent", A * tokens * (ql + ql), "layer", gemm_input=True),  # pre/post norm
         Saved("kv_latent", A * tokens * (2 * kvl + rope), "layer", gemm_input=True),
-        Saved("q", A * tokens * q_dim / t, "layer"),
-        Saved("k", A * tokens * q_dim / t, "layer"),
-        Saved("v", A * tokens * v_dim / t, "layer"),
-        Saved("lse", 4 * tokens * heads, "core_attn"),
+        Saved("q", A * tokens * q_dim / t, "mla_up"),
+        Saved("k", A * tokens * q_dim / t, "mla_up"),
+        # v is a slice of wkv_b's output, whose whole storage (k_nope too) stays with it
+        Saved("v", A * tokens * a * (spec.qk_nope_head_dim + vd) / t, "mla_up"),
+        Saved("lse", 4 * tokens * heads, "core_attn", also="mla_up"),
         Saved("out_in", A * tokens * v_dim / t, "layer", gemm_input=True),
         Saved("norm2_in", A * x_sp, "layer"),
         Saved("ffn_in", A * x_in, "norm", gemm_input=True),

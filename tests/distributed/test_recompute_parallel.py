@@ -1,7 +1,7 @@
 """Activation recompute under every parallel dimension, on 2 processes: tp2 with sequence
 parallelism, dp2 with ZeRO-1, pp2 with 1F1B, ZB-V and DualPipe (split backward: the weight
 gradients deferred past the recompute), dp2 x ep2 MoE (also with its routed experts
-recomputed), and FP8 delayed scaling under tp2.
+and MLA's up-projections recomputed), and FP8 delayed scaling under tp2.
 Each policy trains bitwise like the same layout without recompute (fp32: the recomputed
 forward runs the same kernels in the same order on the same data): every step's loss and
 gradient norm, and the final weights. One launch trains every case (`jobs_worker.py`)."""
@@ -33,7 +33,7 @@ LAYOUTS = {
 }
 POLICIES = ["none", "full", "selective", "norm"]
 # the routed experts' bank recomputed whole, its all-to-all dispatch run again in the backward
-EXTRA = {"dp2ep2-moe": ["experts", "selective,experts"]}
+EXTRA = {"dp2ep2-moe": ["experts", "selective,experts,mla_up"]}
 
 
 def policies(layout: str) -> list[str]:

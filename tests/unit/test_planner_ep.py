@@ -260,7 +260,9 @@ def _ep1_cases():
 # of its weight gradients were costed (`HardwareProfile.cast_time`); llama-z1 (ZeRO-1) once more
 # with the runtime's own ZeRO-1 step (`Runtime.zero1_step_extra`). lite-z0 (selective) was
 # re-pinned (step -0.6%, peaks +0.5..0.9%) when its MoE layers' mlp_act came to free what the
-# runtime frees: the shared experts' activation, the routed experts' now under "experts".
+# runtime frees: the shared experts' activation, the routed experts' now under "experts";
+# ds-dualpipe, lite-z0 and lite-z3 (peaks +0.01..0.6%) when MLA's v came to be counted with
+# the whole wkv_b output it is a slice of (k_nope's part included), as autograd keeps it.
 EP1_BEFORE = {
     "ds-z1": (
         63.93066278783463,
@@ -273,17 +275,17 @@ EP1_BEFORE = {
         [106537517375.34427]
         + [103187033421.90164]
         + [117928038196.459] * 3
-        + [120902543290.75409]
-        + [124684138091.01639]
-        + [128465732891.27869] * 2
-        + [124684138091.01639]
-        + [120902543290.75409]
+        + [120919320506.75409]
+        + [124700915307.01639]
+        + [128482510107.27869] * 2
+        + [124700915307.01639]
+        + [120919320506.75409]
         + [117928038196.459] * 3
         + [103187033421.90164]
         + [106537517375.34427],
     ),
-    "lite-z0": (0.6721896146939338, 0.22301314664740957, [101538590615.7037] + [91717933923.55556]),
-    "lite-z3": (1.5839839913553453, 0.3785571620287276, [156519421763.55554]),
+    "lite-z0": (0.6721896146939338, 0.22301314664740957, [101773471639.7037] + [91826985827.55556]),
+    "lite-z3": (1.5839839913553453, 0.3785571620287276, [157425391427.55554]),
     "lite-cp": (
         0.41214644980876936,
         0.18186147325320767,

@@ -72,7 +72,9 @@ def test_every_policy_trains_like_no_recompute(reference, tiny_job_args, policy)
     assert_same(train(tiny_job_args, policy, model__dropout=0.1), reference["llama"])
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", "norm", "experts", "mlp_act,experts"])
+@pytest.mark.parametrize(
+    "policy", ["full", "selective", "norm", "experts", "mlp_act,experts", "mla_up,core_attn"]
+)
 def test_moe_recompute_routes_and_counts_loads_once(reference, tiny_job_args, policy):
     """DeepSeek family (MLA, MoE, MTP): same weights, and the balancing bias moved by the
     step's loads counted once (a second count would move it twice as far)."""
@@ -158,12 +160,16 @@ def block_saved_bytes(cfg, policy: str) -> int:
     return sum(t.untyped_storage().nbytes() for t in saved.values())
 
 
-@pytest.mark.parametrize("policy", ["mlp_act", "experts", "mlp_act,experts", "norm"])
+@pytest.mark.parametrize(
+    "policy", ["mlp_act", "experts", "mlp_act,experts", "norm", "mla_up", "mla_up,core_attn"]
+)
 def test_the_planner_frees_what_a_deepseek_policy_frees(tiny_job_args, policy):
     """DeepSeek family in fp32: what a policy frees in the blocks, measured, equals the
     planner's figure for the same layers (`planner.model`'s mean layer x n_layers): the
-    shared experts' activation under mlp_act, the routed bank's internals under experts."""
-    cfg = load_config(None, tiny_job_args(tempfile.mkdtemp(), **MOE))
+    shared experts' activation under mlp_act, the routed bank's internals under experts, the
+    per-head q, k, v and the core's lse under mla_up (q/k head dim = v head dim here, so that
+    CPU attention takes the flash path the planner assumes)."""
+    cfg = load_config(None, tiny_job_args(tempfile.mkdtemp(), **MOE, model__qk_nope_head_dim=16))
     spec = ModelSpec.from_model_config(cfg.model)
     layer = build_layer(spec, 2, 64, 1, 1, False, act_width=4)
     predicted = (planned_saved(layer, "none") - planned_saved(layer, policy)) * spec.n_layers

@@ -110,6 +110,16 @@ class MLACache:
         return self.kv[layer][:, :end], self.pe[layer][:, :end]
 
 
+class UpAndCore(nn.Module):
+    """MLA's up-projections, query RoPE and attention core as one module with no weights of
+    its own (it runs the `MLA` handed to it), so that the recompute slot can checkpoint them
+    together: "mla_up" keeps the latents and drops the per-head q, k and v (Megatron's
+    mla_up_proj recompute)."""
+
+    def forward(self, mla: MLA, q_in, c_kv, k_pe, cos, sin) -> torch.Tensor:
+        return mla.up_and_core(q_in, c_kv, k_pe, cos, sin)
+
+
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -135,13 +145,15 @@ class MLA(nn.Module):
         self.scale = softmax_scale(cfg)
         self.q_scale = yarn_correction(cfg)  # folded into q on the SDPA path
         self.core_attention = CoreAttention(cfg.dropout)  # dropout on the weights, training
+        self.up_core = UpAndCore()  # the recompute slot's "mla_up" region
         self.ops = OpImpls()
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "wq"):
-            q = self.wq(x)
-        else:
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
+    def _q_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the query up-projection reads: the normed query latent (or x for one wq)."""
+        return x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
+
+    def _queries(self, q_in: torch.Tensor) -> torch.Tensor:
+        q = self.wq(q_in) if hasattr(self, "wq") else self.wq_b(q_in)
         # Heads from the width: a tensor-parallel rank holds n_heads / tp of them.
         return q.unflatten(-1, (-1, self.nope + self.rope_dim))  # (b, s, heads, nope + rope)
 
@@ -155,12 +167,21 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         b, s, _ = x.shape
         cos, sin = cos[:s], sin[:s]  # (s, rope_dim); tables start at start_pos
-        q = ops.rope(self._queries(x), cos, sin, self.ops.rope)  # rotates the trailing q_pe
+        q_in = self._q_input(x)
         c_kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_norm(c_kv)  # (b, s, kv_rank)
-        k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
         if cache is not None:
+            q = ops.rope(self._queries(q_in), cos, sin, self.ops.rope)
+            k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
             return self._absorbed(q, c_kv, k_pe[:, :, 0], cache, start_pos)
+        return self.wo(self.up_core(self, q_in, c_kv, k_pe, cos, sin))  # (b, s, heads * v)
+
+    def up_and_core(self, q_in, c_kv, k_pe, cos, sin) -> torch.Tensor:
+        """The up-projections (wq_b or wq, wkv_b), RoPE and the attention core: (b, s,
+        heads * v_head_dim), what wo reads. RoPE runs in here so that a checkpoint of it keeps
+        k_pe as the slice of wkv_a's output that is kept anyway."""
+        q = ops.rope(self._queries(q_in), cos, sin, self.ops.rope)  # rotates the trailing q_pe
+        k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
         kv = self.wkv_b(c_kv).unflatten(-1, (-1, self.nope + self.v_dim))  # (b, s, heads, nope + v)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
@@ -169,7 +190,7 @@ class MLA(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).flatten(2))  # (b, s, heads * v)
+        return out.transpose(1, 2).flatten(2)
 
     def _absorbed(
         self,

@@ -38,8 +38,10 @@ _SWIGLU = {"": "tp_input", ".w1": "colwise", ".w3": "colwise", ".w2": "rowwise"}
 
 # Where each recompute module sits in a block (`hyperloom.parallel.recompute`): Llama's, plus
 # the shared experts' activation under "mlp_act", and "experts": the routed experts' bank
-# checkpointed whole (Megatron's "moe" recompute), keeping only the dispatched rows; under
-# expert parallelism the bank holds the dispatch, which the recompute runs again.
+# checkpointed whole (Megatron's "moe" recompute), keeping only the dispatched rows (under
+# expert parallelism the bank holds the dispatch, which the recompute runs again); "mla_up":
+# MLA's up-projections, query RoPE and attention core from the latents (Megatron's
+# mla_up_proj), which drops the per-head q, k and v.
 RECOMPUTE_PLAN: dict[str, list] = {
     "core_attn": ["attention.core_attention"],
     "mlp_act": [
@@ -48,6 +50,7 @@ RECOMPUTE_PLAN: dict[str, list] = {
     ],
     "norm": [("attention_norm", "attention"), ("ffn_norm", "feed_forward")],
     "experts": ["feed_forward.experts"],
+    "mla_up": ["attention.up_core"],  # wq_b / wkv_b, query RoPE and the core, from the latents
 }
 
 

@@ -296,7 +296,9 @@ def rank_memory(
         buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
     step_peak = p + g + o
     if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
-        step_peak += 4.0 * params  # non-FP32 gradients flattened into an FP32 copy
+        # BF16 parameters' gradients flattened into an FP32 copy for the sharded step; not
+        # where they accumulate in one FP32 buffer already (Megatron's main_grad)
+        step_peak += 0.0 if rt.fp32_main_grads else 4.0 * params
     live = Memory(
         params=p,
         grads=g,

@@ -45,6 +45,9 @@ class Runtime:
     param_bytes: int = 4  # bytes per parameter as stored (4 = FP32 master is the param)
     grad_bytes: int = 4  # bytes per gradient (FP32)
     zero1_separate_master: bool = True  # ZeRO-1 keeps its own FP32 master slice
+    # gradients accumulate into one contiguous FP32 buffer (Megatron's main_grad), which the
+    # distributed optimizer reduces and steps on without a flattened copy
+    fp32_main_grads: bool = False
     fused_cross_entropy: bool = False  # chunked head + loss, grads formed in the forward
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
     autocast_per_op: bool = False  # FP32 norm in/out, a BF16 input cast per linear (job_runtime)
@@ -145,6 +148,7 @@ RUNTIMES = {
         "megatron",
         param_bytes=2,
         zero1_separate_master=True,
+        fp32_main_grads=True,
         autocast_weight_copy=False,
         fsdp_unsharded_accumulation=False,
         sharded_save=True,

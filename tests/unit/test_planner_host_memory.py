@@ -22,7 +22,7 @@ from hyperloom.planner.memory import (
 )
 from hyperloom.planner.model import ModelSpec
 from hyperloom.planner.simulate import predict
-from hyperloom.planner.strategy import Runtime, Strategy, job_runtime
+from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, job_runtime
 
 # A small Llama: dim 64, vocab 1000, 2 layers.
 SMALL = ModelSpec(ModelConfig(preset="small", n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
@@ -42,6 +42,9 @@ def test_zero1_states_and_its_flat_gradient_copy():
     n = SMALL.params()
     assert fp32.step_peak == pytest.approx(fp32.params + fp32.grads + fp32.optimizer)
     assert half.step_peak == pytest.approx(half.params + half.grads + half.optimizer + 4 * n)
+    # Megatron's gradients accumulate in one FP32 main_grad buffer: no copy either
+    mega = predict(SMALL, Cluster.of("h100", 4), s, 16, RUNTIMES["megatron"]).memory[0]
+    assert mega.step_peak == pytest.approx(mega.params + mega.grads + mega.optimizer)
 
 
 def test_fused_head_keeps_its_gradients_not_logits():

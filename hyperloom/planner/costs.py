@@ -49,7 +49,7 @@ from hyperloom.planner.strategy import Runtime, Strategy
 class Links:
     tp: Link
     cp: Link
-    dp: Link
+    dp: Link  # the gradient group: data x context parallel (`Strategy.dcp`)
     pp: Link
     ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
     edp: Link | None = None  # the expert-data-parallel group (expert gradients)
@@ -70,7 +70,7 @@ def links_for(cluster: Cluster, s: Strategy, spec: ModelSpec | None = None, dedu
     links = Links(
         tp=group_link(cluster, s.tp, st["tp"]),
         cp=group_link(cluster, s.cp, st["cp"]),
-        dp=group_link(cluster, s.dp, st["dp"]),
+        dp=group_link(cluster, s.dcp, expert_strides(s, st)[0]),  # gradients: dp x cp
         pp=p2p_link(cluster, s.pp, st["pp"]),
     )
     if s.ep <= 1:
@@ -184,11 +184,11 @@ def layer_phase(
     cp_f = _exposed(cp_gather, attn_f, rt.cp_overlap)
     cp_b = _exposed(2 * cp_gather, attn_b, rt.cp_overlap)
     dp_f = dp_b = 0.0
-    if s.zero == 3 and s.dp > 1:
-        groups = [(spec.layer_params() / t, s.dp, links.dp)]
+    if s.zero == 3 and s.dcp > 1:
+        groups = [(spec.layer_params() / t, s.dcp, links.dp)]
         if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
             expert = spec.layer_expert_params() / t
-            groups = [((spec.layer_params() - expert * t) / t, s.dp, links.dp)]
+            groups = [((spec.layer_params() - expert * t) / t, s.dcp, links.dp)]
             groups.append((expert / s.ep, s.edp, links.edp))
         gather = sum(collective_time("all_gather", n, 2.0 * p, lk) for p, n, lk in groups)
         dp_f = _exposed(gather, gemm + attn_f, rt.fsdp_overlap)
@@ -453,7 +453,7 @@ def dp_sync(
     rank holding `params`, of which `expert` are its local routed experts (reduced over the
     expert-data-parallel group when ep > 1); `b_window`/`f_window` are its last backward /
     first forward."""
-    groups = [(params - expert, s.dp, links.dp)]
+    groups = [(params - expert, s.dcp, links.dp)]
     if expert:
         groups.append((expert, s.edp, links.edp))
     groups = [g for g in groups if g[1] > 1]
@@ -519,12 +519,12 @@ def optimizer_time(
     casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
     ZeRO-1 adds what the runtime's own step moves beyond that (`Runtime.zero1_step_extra`,
     `Runtime.zero1_publish_bytes`)."""
-    shard = params / s.dp if s.zero in (1, 3) else params
+    shard = params / s.dcp if s.zero in (1, 3) else params
     if expert and s.zero in (1, 3):
-        shard = (params - expert) / s.dp + expert / s.edp
+        shard = (params - expert) / s.dcp + expert / s.edp
     per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
     nbytes = shard * per + params * 2 * rt.grad_bytes
-    if s.zero == 1 and s.dp > 1:  # the runtime's own ZeRO-1 step and publication
+    if s.zero == 1 and s.dcp > 1:  # the runtime's own ZeRO-1 step and publication
         nbytes += shard * rt.zero1_step_extra + params * rt.zero1_publish_bytes
     if s.fp8:
         nbytes += params * (rt.param_bytes + 2)

@@ -108,7 +108,7 @@ def states(
         dense = states(params - expert, s, rt)
         ours = states(expert, dataclasses.replace(s, dp=s.edp, cp=1, ep=1), rt)
         return tuple(a + b for a, b in zip(dense, ours, strict=True))
-    dp = s.dp
+    dp = s.dcp  # ZeRO shards over every rank that holds these parameters
     master = 4 if (rt.param_bytes != 4 or (s.zero == 1 and rt.zero1_separate_master)) else 0
     opt = (8 + master) * params
     p, g = rt.param_bytes * params, rt.grad_bytes * params
@@ -224,7 +224,7 @@ def grads_at_peak(
     if last_chunk and rt.fused_cross_entropy:  # tied or not, the head's weight gradient
         head = rt.grad_bytes * spec.embedding_params() / s.tp
     # pipelines: the warm-up reaches the peak before the rank's first backward
-    held = (s.dp > 1 and s.zero in (0, 1)) or (s.pp == 1 and s.microbatches > 1)
+    held = (s.dcp > 1 and s.zero in (0, 1)) or (s.pp == 1 and s.microbatches > 1)
     return (grads if held else 0.0) + head
 
 
@@ -290,12 +290,12 @@ def rank_memory(
         buffers += 2.0 * max(cast, 0.0)
     if s.fp8:
         buffers += 2.0 * n_layers * layer_matmul / s.tp
-    if s.zero == 0 and s.dp > 1 and rt.ddp_bucket_copy:
+    if s.zero == 0 and s.dcp > 1 and rt.ddp_bucket_copy:
         buffers += rt.grad_bytes * params
-    if s.zero == 3 and s.dp > 1:
+    if s.zero == 3 and s.dcp > 1:
         buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
     step_peak = p + g + o
-    if s.zero == 1 and s.dp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
+    if s.zero == 1 and s.dcp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
         # BF16 parameters' gradients flattened into an FP32 copy for the sharded step; not
         # where they accumulate in one FP32 buffer already (Megatron's main_grad)
         step_peak += 0.0 if rt.fp32_main_grads else 4.0 * params

@@ -187,6 +187,13 @@ class Strategy:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def dcp(self) -> int:
+        """The ranks that hold the same parameters and sum their gradients: data x context
+        parallel. Megatron's gradient reduction and distributed optimizer span both (context
+        ranks see other tokens of the same sequences)."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel size: the ranks holding the same experts (dp * cp / ep).
         At ep = 1 the experts are ordinary parameters of the dp group."""

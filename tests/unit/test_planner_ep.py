@@ -265,6 +265,8 @@ def _ep1_cases():
 # the whole wkv_b output it is a slice of (k_nope's part included), as autograd keeps it;
 # ds-z1, ds-dualpipe and lite-cp (megatron runtime, ZeRO-1) lost a 4 B/param flattened FP32
 # gradient copy that Megatron's FP32 main_grad buffer never makes (`Runtime.fp32_main_grads`).
+# lite-cp (dp4 x cp2, ZeRO-1) again when its gradients and optimizer came to span dp x cp
+# (`Strategy.dcp`), as Megatron's do.
 EP1_BEFORE = {
     "ds-z1": (
         63.93066278783463,
@@ -313,11 +315,11 @@ EP1_BEFORE = {
     "lite-z0": (0.6721896146939338, 0.22301314664740957, [101773471639.7037] + [91826985827.55556]),
     "lite-z3": (1.5839839913553453, 0.3785571620287276, [157425391427.55554]),
     "lite-cp": (
-        0.41214644980876936,
-        0.18186147325320767,
+        0.3225929647385648,
+        0.232347164232319,
         [
-            44414515041.18518,
-            46306638539.85185,
+            38579615851.851845,
+            40361673313.18518,
         ],
     ),
     "llama-z1": (

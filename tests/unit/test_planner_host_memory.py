@@ -290,3 +290,16 @@ def test_peak_gradients_enter_the_live_peak_only():
     assert m.states == 38  # the optimizer step holds every gradient
     assert Memory(params=10, grads=8, step_peak=100).live == 100
     assert m.to_dict()["peak_grads"] == 3 and Memory(grads=8).to_dict()["peak_grads"] == 8
+
+
+def test_context_parallel_ranks_share_the_gradients_and_the_optimizer():
+    """Megatron reduces gradients and shards its distributed optimizer over dp x cp: context
+    ranks hold the same parameters. dp1 x cp2 with ZeRO-1 shards the optimizer in two and
+    pays a gradient reduction, as dp2 does (issue 34, finding 2)."""
+    cluster, mega = Cluster.of("h100", 2), RUNTIMES["megatron"]
+    cp = predict(SMALL, cluster, Strategy(cp=2, zero=1, microbatches=2), 1024, mega)
+    dp = predict(SMALL, cluster, Strategy(dp=2, zero=1, microbatches=1), 1024, mega)
+    one = predict(SMALL, Cluster.of("h100", 1), Strategy(zero=1, microbatches=2), 1024, mega)
+    assert cp.memory[0].optimizer == pytest.approx(one.memory[0].optimizer / 2)
+    assert cp.memory[0].optimizer == pytest.approx(dp.memory[0].optimizer)
+    assert cp.breakdown["dp_sync_total"] > 0 and one.breakdown["dp_sync_total"] == 0

@@ -105,12 +105,16 @@ def breakdown_table(plan: Plan) -> tuple[Table, Table]:
     m = Table(
         title=f"memory per pipeline rank, GiB (usable {plan.capacity / GIB:.1f})",
         title_style="bold",
+        caption="peak = max(the parts up to buffers, with the grads held at the activation "
+        "peak; step peak: params, grads, optimizer at the update) + allocator",
     )
-    for c in ("rank", *MEMORY_PARTS, "peak", "reserved"):
-        m.add_column(c, justify="right")
+    cols = (*MEMORY_PARTS[:2], "peak_grads", *MEMORY_PARTS[2:], "step_peak", "peak", "reserved")
+    names = {"peak_grads": "grads at act. peak", "step_peak": "step peak"}
+    for c in ("rank", *cols):
+        m.add_column(names.get(c, c), justify="right")
     for r, mem in enumerate(plan.memory):
         d = mem.to_dict()
-        m.add_row(str(r), *(f"{d[k] / GIB:.2f}" for k in (*MEMORY_PARTS, "peak", "reserved")))
+        m.add_row(str(r), *(f"{d[k] / GIB:.2f}" for k in cols))
     return t, m
 
 

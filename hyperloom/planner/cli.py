@@ -157,6 +157,13 @@ def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
         default=None,
         help=f"{mode}expert-parallel token dispatch (default alltoall)",
     )
+    p.add_argument(
+        "--moe-imbalance",
+        type=number(least=1),
+        default=None,
+        help=f"{mode}tokens the busiest expert-parallel rank receives over the mean "
+        "(default 1.25; 1 = perfectly balanced routing)",
+    )
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
@@ -343,6 +350,13 @@ def _auto_recompute(job, args: argparse.Namespace, plan_of, profile):
     return choose_recompute(plan_of, profile, budget)
 
 
+def _imbalanced(spec, args: argparse.Namespace):
+    """The model with --moe-imbalance, where given."""
+    if args.moe_imbalance is None:
+        return spec
+    return dataclasses.replace(spec, moe_imbalance=args.moe_imbalance)
+
+
 def _console() -> Console:
     probe = Console()
     return probe if probe.is_terminal else Console(width=170)
@@ -368,7 +382,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         job = load_job(args.target, list(getattr(args, "overrides", []) or []))
         if job.precision.dtype != "bf16":
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
-        spec = ModelSpec.from_model_config(job.model)
+        spec = _imbalanced(ModelSpec.from_model_config(job.model), args)
         fp8 = True if args.fp8 else None
         recompute = args.recompute
         auto = recompute is None and job.train.recompute.strip().lower() == "auto"
@@ -390,7 +404,9 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         if not args.model:
             raise PlanError("give a job CONFIG to predict, or --model PRESET to search")
         try:
-            spec = ModelSpec.from_model_config(preset_config(args.model), args.model)
+            spec = _imbalanced(
+                ModelSpec.from_model_config(preset_config(args.model), args.model), args
+            )
         except KeyError as exc:
             raise PlanError(str(exc.args[0])) from None
         if not args.gpus or not args.global_batch:
@@ -407,6 +423,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         "runtime": rt.name,
         "param_bytes": rt.param_bytes,
         "efficiency": rt.efficiency,
+        "moe_imbalance": spec.moe_imbalance if spec.n_routed_experts else None,
     }
     stats = None
     if mode == "predict":

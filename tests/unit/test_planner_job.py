@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,26 @@ def test_the_plan_runs_the_jobs_recompute_policy():
     partial = load_config(None, ["--train.recompute", "full", "--train.recompute_layers", "2"])
     with pytest.raises(PlanError, match="recompute_layers"):
         Strategy.from_job(partial)
+
+
+def test_moe_imbalance_is_set_from_the_command_line(cli, tmp_path):
+    """`--moe-imbalance`: the busiest expert-parallel rank's share of the routed tokens
+    (issue 34, finding 5). More imbalance, a slower step; it is recorded in the JSON; below 1
+    is refused in one line."""
+    job = tmp_path / "ds.toml"
+    job.write_text(
+        '[model]\npreset = "deepseek-v3"\n[data]\nseq_len = 4096\n'
+        "[parallel]\npp = 16\ndp = 64\nep = 64\nzero = 1\n"
+        '[train]\nmicro_batch_size = 1\nrecompute = "full"\n'
+    )
+    steps = {}
+    for imbalance in ("1.0", "2.0"):
+        out = tmp_path / f"{imbalance}.json"
+        result = cli("plan", str(job), "--moe-imbalance", imbalance, "--json", str(out))
+        assert result.returncode == 0, result.stderr[-2000:]
+        record = json.loads(out.read_text())
+        assert record["query"]["moe_imbalance"] == float(imbalance)
+        steps[imbalance] = record["plans"][0]["step_time_s"]
+    assert steps["2.0"] > 1.2 * steps["1.0"], steps
+    bad = cli("plan", str(job), "--moe-imbalance", "0.5")
+    assert bad.returncode == 2 and "--moe-imbalance" in bad.stderr and "Traceback" not in bad.stderr

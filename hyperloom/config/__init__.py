@@ -42,6 +42,7 @@ from hyperloom.config.train import (
     RECOMPUTE_CANDIDATES,
     RECOMPUTE_MODULES,
     TrainConfig,
+    is_auto,
     recompute_policy,
 )
 
@@ -80,5 +81,6 @@ __all__ = [
     "to_dict",
     "validate",
     "world_size_from_env",
+    "is_auto",
     "recompute_policy",
 ]

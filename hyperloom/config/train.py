@@ -16,12 +16,17 @@ RECOMPUTE_CANDIDATES = ("none", "norm", "mlp_act", "core_attn", "selective",
                         "full")  # fmt: skip
 
 
+def is_auto(policy: str) -> bool:
+    """Whether `train.recompute` asks the planner to choose (`planner.autorecompute`)."""
+    return policy.strip().lower() == "auto"
+
+
 def recompute_policy(policy: str) -> tuple[bool, frozenset[str]]:
     """'none' | 'full' | 'selective' | 'core_attn,mlp_act,...' -> (full, modules); a
     ValueError says what is allowed. 'selective' is the cheap, memory-heavy pair (Megatron's
     selective recompute is core_attn alone), also inside a list ('selective,experts')."""
     p = policy.strip().lower()
-    if p == "auto":
+    if is_auto(p):
         raise ValueError(
             "auto is not a policy the model runs: the trainer asks the planner for one "
             "(train.memory_budget_gb) before it builds the model"
@@ -127,7 +132,7 @@ class TrainConfig:
         ):
             if value < 0:
                 p.append(f"{key} must be >= 0, got {value}")
-        if t.recompute.strip().lower() == "auto":
+        if is_auto(t.recompute):
             if t.recompute_layers:
                 p.append(
                     "train.recompute = auto chooses a policy for whole model chunks; "

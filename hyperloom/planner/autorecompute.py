@@ -27,6 +27,11 @@ from hyperloom.planner.selfcheck import CPU_PROFILE, job_plan
 from hyperloom.planner.simulate import Plan
 
 
+def _costliest(policies: tuple[str, ...]) -> str:
+    """The policy latest in `RECOMPUTE_CANDIDATES` (ordered by recompute work)."""
+    return max(policies, key=RECOMPUTE_CANDIDATES.index)
+
+
 def counted_peak(memory: Memory, profile: HardwareProfile) -> float:
     """The predicted bytes a budget is held against: on a host, its resident peak (the
     profile's allocator model included); on a device, the caching allocator's reserved bytes
@@ -44,13 +49,12 @@ class RecomputeChoice:
     peaks: tuple[float, ...]  # predicted, above `held_bytes`
     recompute_s: tuple[float, ...]
     step_s: float  # the uniform plan of the costliest chosen policy (an upper bound)
-    # every candidate: policy -> (peak per stage, recompute s per stage, step s) or the reason
-    # it cannot run
+    # every candidate: policy -> {peak_gb_by_stage, step_s}, or the reason it cannot run
     candidates: dict[str, Any] = field(default_factory=dict)
 
     @property
     def costliest(self) -> str:
-        return max(self.policies, key=RECOMPUTE_CANDIDATES.index)
+        return _costliest(self.policies)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -124,7 +128,6 @@ def choose_recompute(
             "held before the model); raise the budget, or shard more (tp, pp, zero)"
         )
     policies = tuple(chosen)
-    costliest = max(policies, key=RECOMPUTE_CANDIDATES.index)
     return RecomputeChoice(
         budget_bytes=budget_bytes,
         held_bytes=held_bytes,
@@ -133,7 +136,7 @@ def choose_recompute(
         recompute_s=tuple(
             runnable[p].rank_breakdown[r].get("recompute", 0.0) for r, p in enumerate(policies)
         ),
-        step_s=runnable[costliest].step_time,
+        step_s=runnable[_costliest(policies)].step_time,
         candidates={
             p: plan
             if isinstance(plan, str)

@@ -369,7 +369,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         from hyperloom.planner.calibrate import cmd_calibrate
 
         return cmd_calibrate(args, runtime_memory)
-    from hyperloom.config import preset_config
+    from hyperloom.config import is_auto, preset_config
     from hyperloom.planner import report
     from hyperloom.planner.model import ModelSpec
     from hyperloom.planner.search import SearchSpace, search
@@ -385,7 +385,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         spec = _imbalanced(ModelSpec.from_model_config(job.model), args)
         fp8 = True if args.fp8 else None
         recompute = args.recompute
-        auto = recompute is None and job.train.recompute.strip().lower() == "auto"
+        auto = recompute is None and is_auto(job.train.recompute)
         s = Strategy.from_job(job, args.schedule, args.vpp, "none" if auto else recompute, fp8)
         if args.dispatcher:
             s = dataclasses.replace(s, dispatcher=args.dispatcher)

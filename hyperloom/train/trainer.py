@@ -28,7 +28,7 @@ from hyperloom.accelerator import (
     get_accelerator,
     measure_matmul_tflops,
 )
-from hyperloom.config import JobConfig, dumps_toml, pipeline_microbatches
+from hyperloom.config import JobConfig, dumps_toml, is_auto, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
@@ -75,7 +75,7 @@ class Trainer:
             preload_triton()  # torch.compile would import it inside the first step
         self.memory_baseline = self.acc.current_memory_bytes()
         # recompute auto: the planner picks this stage's policy; `run_cfg` is what runs
-        self.recompute_choice = self._choose_recompute() if t.recompute == "auto" else None
+        self.recompute_choice = self._choose_recompute() if is_auto(t.recompute) else None
         self.run_cfg = cfg
         if self.recompute_choice is not None:
             policy = self.recompute_choice.policies[self.mesh.rank("pp")]
@@ -527,9 +527,8 @@ class Trainer:
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])
         measured = self._per_rank(train_peak - self.memory_baseline)
         above_baseline = max(measured)
-        whole = self._per_rank(train_peak) if self.recompute_choice is not None else []
         if self.recompute_choice is not None:  # the choice beside what each rank measured
-            choice = self.recompute_choice
+            choice, whole = self.recompute_choice, self._per_rank(train_peak)
             summary["recompute_auto"] = choice.summary() | {
                 "measured_peak_gb_by_rank": [round(b / 1e9, 4) for b in whole],
                 "measured_above_baseline_gb_by_rank": [round(b / 1e9, 4) for b in measured],

@@ -188,3 +188,12 @@ def test_a_budget_nothing_fits_stops_the_trainer_before_training(tmp_path, tiny_
     with pytest.raises(ConfigError, match="train.recompute = auto: memory budget"):
         Trainer(load_config(None, args))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_auto_is_read_as_validation_reads_it(tmp_path, tiny_job_args):
+    """' AUTO ' passes validation as auto, so the trainer must choose for it too (it used to
+    reach the model as a policy name and fail inside)."""
+    args = tiny_job_args(tmp_path, train__recompute=" AUTO ", train__memory_budget_gb=1e3)
+    trainer = Trainer(load_config(None, args))
+    assert trainer.recompute_choice.policies == ("none",)
+    assert trainer.run_cfg.train.recompute == "none"

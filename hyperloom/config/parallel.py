@@ -30,7 +30,14 @@ class ParallelConfig:
     dp: int = knob(1, "data-parallel degree")
     tp: int = knob(1, "tensor-parallel degree")
     pp: int = knob(1, "pipeline-parallel degree")
-    cp: int = knob(1, "context-parallel degree")
+    cp: int = knob(1, "context-parallel degree: each rank holds 1/cp of every sequence")
+    cp_comm: str = knob(
+        "ring",
+        "how attention crosses the context-parallel ranks: ring (K/V blocks passed around "
+        "the cp group, overlapped with the next block's compute) or alltoall (Ulysses: "
+        "heads <-> sequence; the heads per tp rank must divide by cp)",
+        choices=["ring", "alltoall"],
+    )
     ep: int = knob(1, "expert-parallel degree: each rank holds E / ep experts (folds over dp)")
     ep_dispatcher: str = knob(
         "alltoall",
@@ -78,21 +85,17 @@ class ParallelConfig:
                 f"({self.microbatches}) >= 0 (0 = 2 x pp)"
             ]
         p = _tensor_parallel_problems(job) + _pipeline_problems(job)
-        if self.cp > 1:
-            p.append(
-                f"parallel.cp = {self.cp}: context parallelism is not built yet; this release "
-                f"runs tp, sp, pp, dp (zero 0, 1 or 3) and ep"
-            )
+        p += _context_parallel_problems(job)
         world = world_size_from_env() if world_size is None else world_size
         dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         product = self.dp * self.tp * self.pp * self.cp
         if product != world:
             expr = " * ".join(f"{k}({v})" for k, v in dims.items())
             p.append(f"{expr} = {product} != world size {world}")
-        if self.dp % self.ep:
+        if (self.dp * self.cp) % self.ep:
             p.append(
-                f"parallel.ep ({self.ep}) must divide dp ({self.dp}): experts fold over the "
-                f"data-parallel ranks"
+                f"parallel.ep ({self.ep}) must divide dp x cp ({self.dp} x {self.cp}): experts "
+                f"fold over the data- and context-parallel ranks"
             )
         return p
 
@@ -202,6 +205,45 @@ def _pipeline_problems(job: JobConfig) -> list[str]:
         )
     if t.compile:
         out.append("train.compile with parallel.pp > 1 is not built yet; set train.compile false")
+    return out
+
+
+def _context_parallel_problems(job: JobConfig) -> list[str]:
+    """The arithmetic context parallelism needs: each rank holds chunks i and 2cp-1-i of
+    every sequence (the causal load balance), so the sequence splits into 2 x cp chunks,
+    each further split over tp under sequence parallelism; all-to-all hands each rank
+    heads / cp of the heads its tp rank holds."""
+    m, par, cp = job.model, job.parallel, job.parallel.cp
+    if cp == 1:
+        return []
+    out = []
+    seq, parts = job.data.seq_len, 2 * cp * (par.tp if par.sp else 1)
+    if seq % parts:
+        what = f"2 x cp x tp = 2 x {cp} x {par.tp}" if par.sp and par.tp > 1 else "2 x cp"
+        out.append(
+            f"data.seq_len ({seq}) is not divisible by {what} = {parts}: context parallelism "
+            f"splits each sequence into 2 x cp chunks (rank i holds chunks i and 2cp-1-i)"
+            + (", each split over tp by sequence parallelism" if par.sp and par.tp > 1 else "")
+        )
+    if par.cp_comm == "alltoall":
+        heads = m.n_heads // par.tp if m.n_heads % par.tp == 0 else m.n_heads / par.tp
+        if heads % cp:
+            out.append(
+                f"parallel.cp_comm = 'alltoall' needs the query heads per tp rank "
+                f"(model.n_heads / tp = {m.n_heads} / {par.tp} = {heads}) divisible by "
+                f"parallel.cp ({cp}); use cp_comm = 'ring' or another cp"
+            )
+    elif m.dropout > 0:
+        out.append(
+            f"model.dropout = {m.dropout} with parallel.cp_comm = 'ring' is not supported: the "
+            f"ring computes attention blockwise and applies no dropout to its weights; use "
+            f"parallel.cp_comm = 'alltoall' or model.dropout = 0"
+        )
+    if job.train.compile:
+        out.append(
+            "train.compile with parallel.cp > 1 is not built yet (the attention's own "
+            "collectives break the graph); set train.compile false"
+        )
     return out
 
 

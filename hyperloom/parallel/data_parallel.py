@@ -61,7 +61,7 @@ def wrap_data_parallel(
     run that went on: 6e-8 apart a step later, measured. Per gradient, an element's place is
     its place in its own tensor. Two ranks add a + b whatever the place; dense models keep
     one order. The cost is one collective per parameter tensor instead of one per 25 MB."""
-    if mesh.size("dp") == 1 or zero == 1:
+    if mesh.size("dcp") == 1 or zero == 1:
         return model
     if zero == 0:
         from torch.nn.parallel import DistributedDataParallel
@@ -72,20 +72,20 @@ def wrap_data_parallel(
         # FP32 copy of every gradient (dp2 on the default model: ~88 MB per rank).
         ddp = DistributedDataParallel(
             model,
-            process_group=mesh.group("dp"),
+            process_group=mesh.group("dcp"),
             broadcast_buffers=False,
             bucket_cap_mb=25,
             gradient_as_bucket_view=True,
         )
-        if routed and mesh.size("dp") > 2:
-            ddp.register_comm_hook(mesh.group("dp"), _reduce_each_gradient)
+        if routed and mesh.size("dcp") > 2:
+            ddp.register_comm_hook(mesh.group("dcp"), _reduce_each_gradient)
         return ddp
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 replaces each parameter with a DTensor one; carry the `Shard` records over so
     # clipping and checkpoints still know which tensors are tp slices.
     shards = shards_by_name(model)
-    dp_mesh = mesh.submesh("dp")
+    dp_mesh = mesh.submesh("dcp")
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

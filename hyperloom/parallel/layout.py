@@ -89,7 +89,7 @@ class ParallelModel:
 
     def sync_context(self, last_micro_batch: bool):
         """Skip the data-parallel gradient reduction on all but the last micro-batch."""
-        if last_micro_batch or self.mesh.size("dp") == 1 or self.zero == 1:
+        if last_micro_batch or self.mesh.size("dcp") == 1 or self.zero == 1:
             return contextlib.nullcontext()  # zero = 1 reduces once, in the optimizer
         if self.zero == 0:
             return self.module.no_sync()
@@ -105,7 +105,7 @@ class ParallelModel:
         the next scales equal that process's and the one copy a checkpoint keeps resumes
         every rank. TE reduces amaxes over its `fp8_group` in the same way (Megatron's amax
         reduction group spans dp and tp). Stateless recipes have nothing to reduce."""
-        dp_group = self.mesh.group("dp")
+        dp_group = self.mesh.group("dcp")
         if dp_group is None:
             return
         plain, experts = ([], []), ([], [])
@@ -130,7 +130,7 @@ class ParallelModel:
     def reshard(self) -> None:
         """FSDP keeps the root's parameters gathered after a forward that has no backward
         (evaluation); put them back in their sharded form before anything reads them."""
-        if self.zero == 3 and self.mesh.size("dp") > 1:
+        if self.zero == 3 and self.mesh.size("dcp") > 1:
             for m in self.inner.modules():
                 if hasattr(m, "reshard"):
                     m.reshard()
@@ -178,8 +178,8 @@ class ParallelModel:
             expert_sq = sum_of_squares(experts, dev)
             dist.all_reduce(expert_sq, group=self.experts.group)
             total_sq = total_sq + expert_sq
-        if self.zero == 3 and self.mesh.group("dp") is not None:
-            dist.all_reduce(total_sq, group=self.mesh.group("dp"))
+        if self.zero == 3 and self.mesh.group("dcp") is not None:
+            dist.all_reduce(total_sq, group=self.mesh.group("dcp"))
         if self.mesh.group("pp") is not None:  # each pipeline rank holds other layers
             dist.all_reduce(total_sq, group=self.mesh.group("pp"))
         total = total_sq.sqrt().float()

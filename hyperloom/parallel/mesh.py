@@ -3,8 +3,10 @@
 The mesh is the only source of process groups, handed explicitly to the layers that need them.
 It wraps `DeviceMesh`, so FSDP2 and distributed checkpointing understand its groups. Ranks are
 row-major over `parallel.order` (default "pp,dp,cp,tp"): tp innermost, on the fastest links,
-pp outermost, where slow links carry least (arXiv 2104.04473 §3.3). Expert parallelism folds
-over dp, so `ep` must divide `dp`. A single process gets a mesh of size 1 and no groups, and
+pp outermost, where slow links carry least (arXiv 2104.04473 §3.3). "dcp" names dp x cp
+together: the ranks that hold the same weights and see different tokens, over which gradients
+and optimizer state reduce (Megatron's data-context group). Expert parallelism folds over dcp,
+so `ep` must divide dp x cp. A single process gets a mesh of size 1 and no groups, and
 the layers skip their collectives.
 """
 
@@ -91,20 +93,32 @@ class ParallelMesh:
         return self.global_rank == 0
 
     def size(self, dim: str) -> int:
+        if dim == "dcp":
+            return self.sizes["dp"] * self.sizes["cp"]
         return self.sizes[dim]
 
     def rank(self, dim: str) -> int:
-        """This process's coordinate along `dim` (0 when the dimension has size 1)."""
-        if self.sizes[dim] == 1 or self.device_mesh is None:
+        """This process's coordinate along `dim` (0 when the dimension has size 1); along
+        "dcp", dp-major: dp rank x cp + cp rank."""
+        if self.size(dim) == 1 or self.device_mesh is None:
             return 0
+        if dim == "dcp":
+            return self.rank("dp") * self.sizes["cp"] + self.rank("cp")
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str):
-        """Process group of `dim`, or None when it has size 1 (nothing to communicate)."""
-        if self.sizes[dim] == 1 or self.device_mesh is None:
+        """Process group of `dim` (or "dcp"), or None when it has size 1 (nothing to
+        communicate). The "dcp" group is a collective to create the first time: every rank
+        asks for it at the same point (`build_mesh` does)."""
+        if self.size(dim) == 1 or self.device_mesh is None:
             return None
+        if dim == "dcp" and 1 in (self.sizes["dp"], self.sizes["cp"]):
+            return self.group("dp" if self.sizes["cp"] == 1 else "cp")
         if dim not in self._groups:
-            self._groups[dim] = self.device_mesh.get_group(dim)
+            if dim == "dcp":
+                self._groups[dim] = self._new_groups(self._lines(dim))
+            else:
+                self._groups[dim] = self.device_mesh.get_group(dim)
         return self._groups[dim]
 
     def subgroup(self, dim: str, members: tuple[int, ...]):
@@ -122,12 +136,12 @@ class ParallelMesh:
 
     def expert_groups(self, ep: int) -> tuple[object, object | None]:
         """(expert-parallel group, expert-data-parallel group or None) for experts folded
-        over dp (`parallel.expert_parallel`): along each data-parallel line, consecutive
-        runs of `ep` ranks share out the experts, and ranks `ep` apart hold the same ones.
-        A collective, like `subgroup`."""
+        over dp x cp (`parallel.expert_parallel`): along each dcp line, consecutive runs of
+        `ep` ranks share out the experts, and ranks `ep` apart hold the same ones. A
+        collective, like `subgroup`."""
         key = ("ep", ep)
         if key not in self._groups:
-            dp, lines = self.sizes["dp"], self._lines("dp")
+            dp, lines = self.size("dcp"), self._lines("dcp")
             ep_group = self._new_groups(
                 [line[i : i + ep] for line in lines for i in range(0, dp, ep)]
             )
@@ -138,10 +152,13 @@ class ParallelMesh:
         return self._groups[key]
 
     def _lines(self, dim: str) -> list[list[int]]:
-        """Global ranks of every line of the mesh along `dim` (other coordinates fixed)."""
+        """Global ranks of every line of the mesh along `dim` (other coordinates fixed);
+        "dcp" lines run over dp and cp, dp-major (as `rank("dcp")` counts)."""
         grid = self.device_mesh.mesh
-        axis = self.order.index(dim)
-        return grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
+        dims = ("dp", "cp") if dim == "dcp" else (dim,)
+        axes = [self.order.index(d) for d in dims]
+        moved = grid.movedim(axes, list(range(-len(axes), 0)))
+        return moved.reshape(-1, self.size(dim)).tolist()
 
     @staticmethod
     def _new_groups(rank_lists: list[list[int]]):
@@ -155,9 +172,15 @@ class ParallelMesh:
         return mine
 
     def submesh(self, *dims: str):
-        """The DeviceMesh over `dims` (for FSDP2 and friends)."""
+        """The DeviceMesh over `dims` (for FSDP2 and friends); "dcp" as one flat dimension."""
         if self.device_mesh is None:
             return None
+        if dims == ("dcp",):
+            if 1 in (self.sizes["dp"], self.sizes["cp"]):
+                return self.submesh("dp" if self.sizes["cp"] == 1 else "cp")
+            from torch.distributed.device_mesh import DeviceMesh
+
+            return DeviceMesh.from_group(self.group("dcp"), self.device_mesh.device_type)
         return self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     def describe(self) -> str:
@@ -178,6 +201,7 @@ def build_mesh(cfg: ParallelConfig, acc: Accelerator) -> ParallelMesh:
 
     device_mesh = init_device_mesh(acc.kind, tuple(sizes.values()), mesh_dim_names=order)
     mesh = ParallelMesh(sizes, order, device_mesh)
+    mesh.group("dcp")  # a collective: made here, where every rank passes
     log.info("device mesh %s on %s (backend %s)", mesh.describe(), acc.kind, acc.backend)
     return mesh
 

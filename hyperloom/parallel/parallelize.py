@@ -5,7 +5,7 @@ Slots, in this fixed order, each its own module:
 
 1. fp8 (`parallel.fp8`): FP8 linears first, since the parallel layers wrap them;
 2. tensor (`parallel.tensor_parallel`): the family's tensor/sequence-parallel plan;
-3. context: not built yet (the config refuses cp > 1);
+3. context (`parallel.context_parallel`): attention, RoPE and loss over the cp ranks;
 4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank;
 5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`;
 6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
@@ -29,6 +29,7 @@ from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.ops import OpImpls, use_ops
 from hyperloom.models.registry import ModelFamily, build_model, family
 from hyperloom.models.shard import restore_shards, shards_by_name
+from hyperloom.parallel.context_parallel import apply_context_parallel, context_shard
 from hyperloom.parallel.data_parallel import wrap_data_parallel
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.fp8 import apply_fp8
@@ -68,15 +69,18 @@ def parallelize(
         out.sp_params = apply_tensor_parallel(
             model, plans.tp_plan(job.model), mesh.group("tp"), par.sp, partial=partial
         )
+    context = context_shard(mesh, par.cp_comm)
+    if context is not None:
+        apply_context_parallel(model, context)
     if par.ep > 1:
         ep_group, data_group = mesh.expert_groups(par.ep)  # created once per mesh
         out.experts = apply_expert_parallel(
             model,
             ep_group,
             data_group,
-            ep_rank=mesh.rank("dp") % par.ep,
+            ep_rank=mesh.rank("dcp") % par.ep,
             ep=par.ep,
-            dp=mesh.size("dp"),
+            dp=mesh.size("dcp"),
             dispatcher=par.ep_dispatcher,
             partial=partial,
         )

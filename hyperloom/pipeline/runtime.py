@@ -263,13 +263,13 @@ class PipelineModel(ParallelModel):
     def _dp_mean_grads(self) -> None:
         """Average the gradients over dp (expert weights were reduced over their own
         replicas in `finish_grads`)."""
-        group = self.mesh.group("dp")
+        group = self.mesh.group("dcp")
         if group is None:
             return
         experts = set(self.experts.names) if self.experts is not None else set()
         grads = [self._grad(p) for n, p in self.inner.named_parameters() if n not in experts]
         all_reduce_coalesced(grads, group)
-        torch._foreach_div_(grads, self.mesh.size("dp"))
+        torch._foreach_div_(grads, self.mesh.size("dcp"))
 
     # ------------------------------------------------------------------ state
 
@@ -388,7 +388,8 @@ def build_pipeline(
                 fp8_by_ranks[ranks].add(key)
     fp8_shared = [(r, sorted(k)) for r, k in sorted(fp8_by_ranks.items())]
 
-    seq = cfg.data.seq_len // (tp if par.sp and tp > 1 else 1)
+    # this rank's part of a sequence: 1/cp of it, and of that 1/tp under sequence parallelism
+    seq = cfg.data.seq_len // par.cp // (tp if par.sp and tp > 1 else 1)
     act_shape = (cfg.train.micro_batch_size, seq, cfg.model.dim)
     stages = {s: model.chunks[str(chunk_of[s])] for s in schedule.stages_of(pp_rank)}
     executor = PipelineExecutor(
@@ -417,7 +418,7 @@ def build_pipeline(
         owned=owned,
         forward_context=forward_context,
         experts=(
-            ExpertParallelism(ep_groups[0], ep_groups[1], mesh.size("dp"), expert_names)
+            ExpertParallelism(ep_groups[0], ep_groups[1], mesh.size("dcp"), expert_names)
             if ep_groups is not None
             else None
         ),

@@ -43,11 +43,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW for the layout: our ZeRO-1 sharded one for zero = 1 with dp > 1, else
     `adamw` over the rank's parameters."""
-    if pm.zero == 1 and pm.mesh.size("dp") > 1:
+    if pm.zero == 1 and pm.mesh.size("dcp") > 1:
         return ZeroOneAdamW(
             pm.inner,
             cfg,
-            pm.mesh.group("dp"),
+            pm.mesh.group("dcp"),
             pm.tp_group,
             counted=pm.norm_counted,
             extra_norm_group=pm.mesh.group("pp"),

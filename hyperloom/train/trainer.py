@@ -34,6 +34,7 @@ from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.registry import family
 from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
+from hyperloom.parallel.context_parallel import context_shard
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.train.optim import build_optimizer, lr_at
@@ -97,7 +98,11 @@ class Trainer:
         self.loader = ResumableLoader(
             self.data.train, self.rows * self.dp, cfg.data.seq_len, seed=t.seed
         )
-        self.val = val_batches(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
+        # Context parallelism: each cp rank keeps its chunks of every sequence (inputs and
+        # labels alike), and losses are averaged over the cp ranks as well as dp.
+        self.context = context_shard(self.mesh, cfg.parallel.cp_comm)
+        val = val_batches(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
+        self.val = [self._context_part(x, y) for x, y in val]
         fam = family(cfg.model.family)
         self.n_params = fam.param_count(cfg.model)
         self.flops_per_token = fam.training_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -256,7 +261,14 @@ class Trainer:
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = self.loader.next_batch()  # (rows * dp, seq) each
         rows = slice(self.dp_rank * self.rows, (self.dp_rank + 1) * self.rows)
-        return inputs[rows].to(self.acc.device), labels[rows].to(self.acc.device)
+        inputs, labels = self._context_part(inputs[rows], labels[rows])
+        return inputs.to(self.acc.device), labels.to(self.acc.device)
+
+    def _context_part(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This context-parallel rank's part of each sequence (the whole without cp)."""
+        if self.context is None:
+            return inputs, labels
+        return self.context.shard(inputs), self.context.shard(labels)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss on this rank, grad norm) as device tensors."""
@@ -287,7 +299,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         balance = getattr(self.model, "after_optimizer_step", None)
         if balance is not None:  # MoE: expert loads summed over dp move the routing biases
-            balance(self.mesh.group("dp"))
+            balance(self.mesh.group("dcp"))
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return total, grad_norm
@@ -301,26 +313,31 @@ class Trainer:
         return everyone
 
     def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean over data-parallel ranks (their losses are over different sequences)."""
-        group = self.mesh.group("dp")
+        """Mean over the data- and context-parallel ranks (their losses are over different
+        tokens; a cp rank's is weighted so that the mean is the sequence's)."""
+        group = self.mesh.group("dcp")
         if group is not None:
             value = value.clone()
             dist.all_reduce(value, group=group)
-            value /= self.dp
+            value /= self.mesh.size("dcp")
         return value
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         if self.pm.pipelined:
-            return self.pm.evaluate(self.val)
-        losses = []
-        for inputs, labels in self.val:
-            with self.acc.autocast(self.dtype):
-                loss = self.fwd(inputs.to(self.acc.device), labels=labels.to(self.acc.device))
-            losses.append(loss)
-        self.pm.reshard()
-        return torch.stack(losses).mean().item()  # every rank saw the same batches
+            mean = torch.tensor(self.pm.evaluate(self.val), device=self.acc.device)
+        else:
+            losses = []
+            for inputs, labels in self.val:
+                with self.acc.autocast(self.dtype):
+                    loss = self.fwd(inputs.to(self.acc.device), labels=labels.to(self.acc.device))
+                losses.append(loss)
+            self.pm.reshard()
+            mean = torch.stack(losses).mean()
+        if self.context is not None:  # each cp rank saw its part of every sequence
+            mean = self.context.mean(mean)
+        return mean.item()  # every dp rank saw the same batches
 
     # ------------------------------------------------------------------ loop
 

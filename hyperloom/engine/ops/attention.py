@@ -90,3 +90,79 @@ def sdpa_backends(
             continue
         ok.append(backend.name.lower())
     return ok
+
+
+# Query rows per piece in the blockwise kernels below: bounds their transient float32
+# scores to (batch, heads, QUERY_ROWS, keys) whatever the block's length.
+QUERY_ROWS = 1024
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """q (b, hq, s, d) as (b, hk, g, s, d) for k with hk heads: query head h reads kv head
+    h // g, as SDPA's enable_gqa does, without copying k or v per query head."""
+    g = q.shape[1] // k.shape[1]
+    return q.unflatten(1, (k.shape[1], g)), g
+
+
+def _scores(qg: torch.Tensor, kf: torch.Tensor, scale: float, causal: bool, row0: int):
+    """Scaled float32 scores (b, hk, g, rows, t) of grouped query rows [row0, row0 + rows)
+    against keys kf (b, hk, t, d); causal: query row i sees keys <= i (aligned at 0)."""
+    s = (qg @ kf[:, :, None].transpose(-2, -1)) * scale
+    if causal:
+        rows, t = s.shape[-2:]
+        q_idx = torch.arange(row0, row0 + rows, device=s.device)[:, None]
+        s = s.masked_fill(q_idx < torch.arange(t, device=s.device)[None, :], float("-inf"))
+    return s
+
+
+def attention_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of blockwise attention: (out, lse), both float32, for q (b, hq, s, d) over
+    k (b, hk, t, d), v (b, hk, t, dv) with hq a multiple of hk; lse (b, hq, s) is the log of
+    each row's softmax denominator, which merges blocks exactly (online softmax, Milakov &
+    Gimelshein arXiv 1805.02867). Scale 1/√d, SDPA's default; `causal` aligns query i with
+    key i. Ring attention's building block; SDPA returns no lse, so this is written out."""
+    with autocast_off(q.device):
+        qg, _ = _grouped(q.float(), k)
+        kf, vf = k.float(), v.float()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        outs, lses = [], []
+        for r0 in range(0, q.shape[2], QUERY_ROWS):
+            s = _scores(qg[..., r0 : r0 + QUERY_ROWS, :], kf, scale, causal, r0)
+            lse = torch.logsumexp(s, dim=-1)  # (b, hk, g, rows)
+            outs.append(torch.exp(s - lse[..., None]) @ vf[:, :, None])
+            lses.append(lse)
+        out = torch.cat(outs, dim=-2).flatten(1, 2)  # (b, hq, s, dv)
+        return out, torch.cat(lses, dim=-1).flatten(1, 2)
+
+
+def attention_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv), float32, of one block's share of an attention whose rows have
+    the final logsumexp `lse` (b, hq, s) and delta = rowsum(dout * out) (b, hq, s), out being
+    the merged output over every block: with P = exp(S - lse), dV = Pᵀ dO, dS = P (dO Vᵀ - delta),
+    dQ = dS K / √d, dK = dSᵀ Q / √d (FlashAttention-2's backward, Dao arXiv 2307.08691 §3.1)."""
+    with autocast_off(q.device):
+        qg, g = _grouped(q.float(), k)
+        kf, vf = k.float(), v.float()
+        dog, _ = _grouped(dout.float(), k)
+        lse_g, delta_g = lse.unflatten(1, (k.shape[1], g)), delta.unflatten(1, (k.shape[1], g))
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dk, dv, dqs = torch.zeros_like(kf), torch.zeros_like(vf), []
+        for r0 in range(0, q.shape[2], QUERY_ROWS):
+            rows = slice(r0, r0 + QUERY_ROWS)
+            qr, dor = qg[..., rows, :], dog[..., rows, :]
+            p = torch.exp(_scores(qr, kf, scale, causal, r0) - lse_g[..., rows, None])
+            dv += (p.transpose(-2, -1) @ dor).sum(2)  # over the query heads of each kv head
+            ds = p * (dor @ vf[:, :, None].transpose(-2, -1) - delta_g[..., rows, None])
+            dqs.append((ds @ kf[:, :, None]) * scale)
+            dk += (ds.transpose(-2, -1) @ qr).sum(2) * scale
+        return torch.cat(dqs, dim=-2).flatten(1, 2), dk, dv

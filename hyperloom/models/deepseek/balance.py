@@ -27,16 +27,26 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Σ_i f_i P_i averaged over rows: scores (n, T, E) affinities, experts (n, T, k) ids."""
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, group=None) -> torch.Tensor:
+    """Σ_i f_i P_i averaged over rows: scores (n, T, E) affinities, experts (n, T, k) ids.
+
+    `group` (context parallelism): the T tokens of each row are spread over its ranks, so
+    the counts and affinity sums are summed over it first (the affinities' sum with its
+    gradient), which makes f and P those of the whole rows on every rank."""
     n, t, n_experts = scores.shape
     k = experts.shape[-1]
     hits = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (n, T, E) one-hot of top-k
-    f = hits.sum(1) * (n_experts / (k * t))  # (n, E); no gradient (counts)
-    p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (n, E)
-    return (f * p).sum(-1).mean()
+    counts = hits.sum(1)  # (n, E); no gradient
+    p = (scores / scores.sum(-1, keepdim=True)).sum(1)  # (n, E)
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+        p = dist_nn.all_reduce(p, group=group)  # backward: the ranks' gradients summed
+        t *= dist.get_world_size(group)
+    f = counts * (n_experts / (k * t))
+    return (f * p / t).sum(-1).mean()
 
 
 def aux_losses(
@@ -46,14 +56,16 @@ def aux_losses(
     seq_alpha: float = 0.0,
     batch_alpha: float = 0.0,
     z_weight: float = 0.0,
+    group=None,
 ) -> torch.Tensor | None:
     """The weighted sum of the enabled losses (None if none is): scores (b, s, E), experts
-    (b, s, k), logits (b * s, E)."""
+    (b, s, k), logits (b * s, E); `group`: the context-parallel ranks sharing each sequence."""
     total = None
     if seq_alpha > 0:
-        total = seq_alpha * balance_loss(scores, experts)
+        total = seq_alpha * balance_loss(scores, experts, group)
     if batch_alpha > 0:
-        term = batch_alpha * balance_loss(scores.flatten(0, 1)[None], experts.flatten(0, 1)[None])
+        flat = scores.flatten(0, 1)[None], experts.flatten(0, 1)[None]
+        term = batch_alpha * balance_loss(*flat, group)
         total = term if total is None else total + term
     if z_weight > 0:
         term = z_weight * torch.logsumexp(logits, dim=-1).square().mean()

@@ -31,7 +31,7 @@ from torch import nn
 from hyperloom.config import ModelConfig
 from hyperloom.engine import ops
 from hyperloom.engine.ops import OpImpls
-from hyperloom.models.llama.model import CoreAttention, RMSNorm
+from hyperloom.models.llama.model import CoreAttention, RMSNorm, rope_window
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -166,7 +166,7 @@ class MLA(nn.Module):
         start_pos: int = 0,
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        cos, sin = cos[:s], sin[:s]  # (s, rope_dim); tables start at start_pos
+        cos, sin = rope_window(cos, sin, s, self.core_attention.context)  # (s, rope_dim)
         q_in = self._q_input(x)
         c_kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_norm(c_kv)  # (b, s, kv_rank)

@@ -94,6 +94,7 @@ class DeepSeekV3(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ops = OpImpls()
+        self.context = None  # context parallelism: weights the loss over the cp ranks
         self.expert_load: dict[str, float] = {}  # layer -> max/mean load of the last step
 
     use_ops = Llama.use_ops  # select the operator implementations of every module

@@ -93,6 +93,7 @@ class MoE(nn.Module):
         )
         self.counts: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
+        self.context = None  # context parallelism: balance losses over whole sequences
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments an expert may take (the whole batch's when dropless)."""
@@ -144,6 +145,7 @@ class MoE(nn.Module):
             seq_alpha=c.moe_seq_aux_alpha,
             batch_alpha=c.moe_aux_alpha,
             z_weight=c.moe_z_loss,
+            group=None if self.context is None else self.context.group,
         )
         if not replay:
             self.aux_loss = aux_loss

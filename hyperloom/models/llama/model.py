@@ -75,10 +75,26 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
         self.ops = OpImpls()
+        # Context parallelism (`parallel.context_parallel`): q, k, v hold this rank's part
+        # of the sequence and the hook runs attention across the cp ranks; None without cp.
+        self.context = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return self.context.attention(q, k, v, self._whole)
+        return self._whole(q, k, v)
+
+    def _whole(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         return ops.attention(q, k, v, is_causal=True, impl=self.ops.attention, dropout_p=p)
+
+
+def rope_window(cos: torch.Tensor, sin: torch.Tensor, seq: int, context=None):
+    """The RoPE rows of `seq` positions from tables that start at the first one: the first
+    `seq` rows, or under context parallelism the rows of this rank's global positions."""
+    if context is None:
+        return cos[:seq], sin[:seq]
+    return context.rope_rows(cos, sin, seq)
 
 
 class SwiGLUAct(nn.Module):
@@ -125,7 +141,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         seq = q.shape[1]  # the full sequence, also when x arrives sequence-parallel
-        cos, sin = cos[:seq], sin[:seq]  # tables start at start_pos
+        cos, sin = rope_window(cos, sin, seq, self.core_attention.context)
         q, k = ops.rope(q, cos, sin, self.ops.rope), ops.rope(k, cos, sin, self.ops.rope)
         if cache is not None:
             k, v = cache.update(self.layer_id, start_pos, k, v)  # (b, start+s, kv, d)
@@ -218,6 +234,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ops = OpImpls()
+        self.context = None  # context parallelism: weights the loss over the cp ranks
 
     def use_ops(self, impls: OpImpls) -> Llama:
         """Select the operator implementations for every module of the model."""
@@ -295,11 +312,19 @@ class Llama(nn.Module):
         """Mean next-token cross-entropy of the head on final hidden states h (b, s, dim)."""
         parallel_loss = getattr(self.output, "loss", None)
         if parallel_loss is not None:  # a vocab-parallel head brings its own (tensor_parallel)
-            return parallel_loss(h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return ops.linear_cross_entropy(
-            h, weight, labels, chunk_tokens=self.ops.ce_chunk_tokens, impl=self.ops.cross_entropy
-        )
+            loss = parallel_loss(h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens)
+        else:
+            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+            loss = ops.linear_cross_entropy(
+                h,
+                weight,
+                labels,
+                chunk_tokens=self.ops.ce_chunk_tokens,
+                impl=self.ops.cross_entropy,
+            )
+        if self.context is not None:  # the mean over the cp ranks is the sequence's mean
+            loss = self.context.weight_loss(loss, labels)
+        return loss
 
 
 def stage_input(model: nn.Module, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -1,0 +1,309 @@
+"""Context parallelism, the recipe's third slot: every sequence split over the cp ranks.
+
+**Sharding.** With causal attention the late positions attend to more keys than the early
+ones, so the sequence is cut into 2 x cp chunks and rank i holds chunks i and 2cp-1-i: every
+rank then does the same share of the causal triangle (Megatron-LM's and torchtitan's load
+balance). Inputs and labels are sharded by `ContextShard.shard`; RoPE reads the rows of the
+rank's global positions (`rope_rows`); a rank's loss is its tokens' mean, weighted so that
+the mean over cp is the whole sequence's mean (`weight_loss`). Gradients and optimizer state
+reduce over dp x cp (`ParallelMesh`'s "dcp" group), as Megatron's does.
+
+**Attention over cp** (`parallel.cp_comm`), inside each attention core:
+
+- ring (Ring Attention, Liu et al. arXiv 2310.01889): K/V blocks travel around the cp ranks
+  (async send to rank+1, receive from rank-1, started before the current block's compute so
+  the two overlap); each block's partial result is merged in float32 by its logsumexp. With
+  the load balance, block j < i is seen in full by both local chunks' queries for half its
+  keys, block j > i by the second chunk only, so every step after the first is half a block.
+  The backward passes K/V around again with their float32 gradient accumulators, which come
+  home after cp hops. Written here (not torch's experimental `context_parallel`) for control:
+  grouped-query and MLA's unequal head widths without copies, any device, FP32 merging.
+- all-to-all (DeepSpeed-Ulysses, Jacobs et al. arXiv 2309.14509): q, k, v are exchanged from
+  (all heads, local sequence) to (heads / cp, whole sequence), the model's own attention runs
+  on the whole sequence (dropout included), and the output goes back: four all-to-alls per
+  layer and pass. K/V heads that do not divide by cp are repeated up to the query heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperloom.engine.ops.attention import attention_block, attention_block_backward
+
+FORMS = ("ring", "alltoall")
+
+
+@dataclass(eq=False)
+class ContextShard:
+    """This rank's place in its context-parallel group: what the models' attention cores,
+    RoPE and loss consult (their `context` attribute; None without cp)."""
+
+    cp: int
+    rank: int
+    group: object
+    comm: str = "ring"
+
+    def __post_init__(self):
+        if self.comm not in FORMS:
+            raise ValueError(f"parallel.cp_comm must be one of {FORMS}, got {self.comm!r}")
+        self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
+        self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
+
+    def __deepcopy__(self, memo):  # model copies (DualPipe's two chunks) share the group
+        return self
+
+    # ------------------------------------------------------------------ sequence layout
+
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        """The two chunks (of 2 x cp) that `rank` (default this one) holds."""
+        r = self.rank if rank is None else rank
+        return r, 2 * self.cp - 1 - r
+
+    def positions(self, local_seq: int, device=None) -> torch.Tensor:
+        """Global positions (local_seq,) of this rank's tokens, chunk i then chunk 2cp-1-i."""
+        c = local_seq // 2
+        first, second = self.chunks()
+        idx = torch.arange(c, device=device)
+        return torch.cat([first * c + idx, second * c + idx])
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a whole-sequence tensor along `dim`."""
+        pieces = x.chunk(2 * self.cp, dim=dim)
+        first, second = self.chunks()
+        return torch.cat([pieces[first], pieces[second]], dim=dim)
+
+    def order(self, local_seq: int, device=None) -> torch.Tensor:
+        """Index that puts the rank-major concatenation of every rank's local sequence
+        (what an all-gather over cp yields) into natural order."""
+        c = local_seq // 2
+        where = torch.empty(2 * self.cp, dtype=torch.long)
+        for r in range(self.cp):
+            a, b = self.chunks(r)
+            where[a], where[b] = 2 * r, 2 * r + 1
+        idx = torch.arange(c)
+        return torch.cat([where[j] * c + idx for j in range(2 * self.cp)]).to(device)
+
+    def rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, seq: int):
+        """The RoPE table rows of this rank's `seq` local positions."""
+        idx = self.positions(seq, cos.device)
+        return cos[idx], sin[idx]
+
+    # ------------------------------------------------------------------ loss
+
+    def weight_loss(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss scaled by cp x its share of the valid labels (ignore_index
+        -100 excluded): the mean over cp is then the whole sequence's token mean, as one
+        process computes it, also when the ranks hold different numbers of valid labels."""
+        counts = (labels != -100).sum().to(torch.float32).reshape(1)
+        total = counts.clone()
+        dist.all_reduce(total, group=self.group)
+        return loss * (counts * self.cp / total.clamp(min=1)).squeeze(0)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a replicated-shape value over the cp ranks (a collective)."""
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.group)
+        return value / self.cp
+
+    # ------------------------------------------------------------------ attention
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Causal attention of the local q (b, hq, s, d) over every rank's k, v (b, hk, s, d /
+        dv): `core` (the model's attention on whole sequences) runs under all-to-all."""
+        if self.comm == "ring":
+            return RingAttention.apply(q, k, v, self)
+        return ulysses_attention(q, k, v, self, core)
+
+
+def context_shard(mesh, comm: str) -> ContextShard | None:
+    """This rank's `ContextShard` on `mesh` (a `ParallelMesh`), None without cp."""
+    if mesh.size("cp") == 1:
+        return None
+    return ContextShard(mesh.size("cp"), mesh.rank("cp"), mesh.group("cp"), comm)
+
+
+def apply_context_parallel(model: nn.Module, shard: ContextShard) -> int:
+    """Point every module's `context` hook (attention cores and their RoPE, MoE balance
+    losses, the model's loss) at `shard`; returns how many modules it reached."""
+    hooked = [m for m in model.modules() if hasattr(m, "context")]
+    for m in hooked:
+        m.context = shard
+    return len(hooked)
+
+
+# ---------------------------------------------------------------------- ring
+
+
+def _exchange(shard: ContextShard, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Start sending `send` to the next rank and receiving its like from the previous one."""
+    recv = torch.empty_like(send)
+    ops = [
+        dist.P2POp(dist.isend, send, shard.next_peer, shard.group),
+        dist.P2POp(dist.irecv, recv, shard.prev_peer, shard.group),
+    ]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(flat: torch.Tensor, k_like: torch.Tensor, v_like: torch.Tensor):
+    k, v = flat.split([k_like.numel(), v_like.numel()])
+    return k.view(k_like.shape), v.view(v_like.shape)
+
+
+def _merge(out, lse, rows: slice, o, l):  # noqa: E741 (lse of a block)
+    """Fold a block's (o, l) into the running (out, lse) on query rows `rows`, in place."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, l)
+    kept = torch.exp(old - new)[..., None]
+    out[:, :, rows] = out[:, :, rows] * kept + o * torch.exp(l - new)[..., None]
+    lse[:, :, rows] = new
+
+
+def _step_blocks(shard: ContextShard, step: int, s: int):
+    """(query rows, key rows, causal) of step `step`: the block held then came from rank
+    (rank - step) mod cp (see the module doc)."""
+    half, src = s // 2, (shard.rank - step) % shard.cp
+    if step == 0:
+        return slice(0, s), slice(0, s), True
+    if src < shard.rank:
+        return slice(0, s), slice(0, half), False
+    return slice(half, s), slice(0, s), False
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal ring attention over the cp group of `shard` (module doc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, shard: ContextShard):
+        b, hq, s, _ = q.shape
+        out = torch.zeros(b, hq, s, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        kk, vv = k, v
+        for step in range(shard.cp):
+            if step + 1 < shard.cp:  # the next block travels while this one is computed
+                incoming, works = _exchange(shard, _pack(kk, vv))
+            rows, keys, causal = _step_blocks(shard, step, s)
+            o, l = attention_block(q[:, :, rows], kk[:, :, keys], vv[:, :, keys], causal)  # noqa: E741
+            _merge(out, lse, rows, o, l)
+            if step + 1 < shard.cp:
+                _wait(works)
+                kk, vv = _unpack(incoming, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.shard = shard
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        shard, s = ctx.shard, q.shape[2]
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1)  # (b, hq, s)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kk, vv = k, v
+        grads = grad_works = None  # the accumulated dk, dv of the block now held (rank-1's)
+        for step in range(shard.cp):
+            if step + 1 < shard.cp:
+                incoming, works = _exchange(shard, _pack(kk, vv))
+            rows, keys, causal = _step_blocks(shard, step, s)
+            dq_b, dk_b, dv_b = attention_block_backward(
+                q[:, :, rows], kk[:, :, keys], vv[:, :, keys], dout[:, :, rows],
+                lse[:, :, rows], delta[:, :, rows], causal,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_b
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
+            if grads is not None:  # the previous hops' share of this block, overlapped
+                _wait(grad_works)
+                prev_dk, prev_dv = _unpack(grads, dk, dv)
+                dk += prev_dk
+                dv += prev_dv
+            grads, grad_works = _exchange(shard, _pack(dk, dv))
+            if step + 1 < shard.cp:
+                _wait(works)
+                kk, vv = _unpack(incoming, k, v)
+        _wait(grad_works)  # after cp hops each block's gradient is back with its owner
+        dk, dv = _unpack(grads, k, v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+# ---------------------------------------------------------------------- all-to-all
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Piece j of dim 0 to rank j; piece j of the result from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous like x (of a strided x it would keep the strides)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """(b, h, s, d), local sequence, all heads -> (b, h / cp, cp x s, d), natural order."""
+    cp, s = shard.cp, x.shape[2]
+    send = x.unflatten(1, (cp, -1)).movedim(1, 0)  # (cp, b, h/cp, s, d): piece j to rank j
+    got = _all_to_all(send, shard.group)  # (cp, b, h/cp, s, d): rank j's sequence
+    whole = got.movedim(0, 2).flatten(2, 3)  # rank-major sequence
+    return whole.index_select(2, shard.order(s, x.device))
+
+
+def _heads_to_seq(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: (b, h / cp, S, d) -> (b, h, S / cp, d)."""
+    cp, s = shard.cp, x.shape[2] // shard.cp
+    back = torch.argsort(shard.order(s, x.device))
+    major = x.index_select(2, back).unflatten(2, (cp, s)).movedim(2, 0)  # (cp, b, h/cp, s, d)
+    got = _all_to_all(major, shard.group)  # (cp, b, h/cp, s, d): head group j, my sequence
+    return got.movedim(0, 1).flatten(1, 2)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """A permutation across ranks: its gradient is the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard = shard
+        return _seq_to_heads(x, shard)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g, ctx.shard), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard = shard
+        return _heads_to_seq(x, shard)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g, ctx.shard), None
+
+
+def ulysses_attention(q, k, v, shard: ContextShard, core) -> torch.Tensor:
+    """All-to-all context parallelism (module doc): `core` sees heads / cp whole sequences."""
+    if k.shape[1] % shard.cp:  # too few kv heads to split: give each query head its own
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q, k, v = (_SeqToHeads.apply(t, shard) for t in (q, k, v))
+    return _HeadsToSeq.apply(core(q, k, v), shard)

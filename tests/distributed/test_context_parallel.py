@@ -13,6 +13,7 @@ process with the losses of the uninterrupted run.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,34 @@ def test_layout_equals_single_process(trained, name):
     assert_same_training(read_metrics(out / "ref" / ref), got, TOLERANCE.get(name, 1e-5))
     summary = json.loads((out / f"w{world}" / name / "summary.json").read_text())
     assert "cp(" in summary["layout"] and summary["layout"].endswith(f"= {world}")
+
+
+def test_checkpoint_moves_from_cp_to_other_layouts(trained, tiny_job_args, jobs_train, tmp_path):
+    """Saved at cp 2 x dp 2 with ZeRO-1 (Adam state sharded over the four dp x cp ranks),
+    resumed at cp 1 x dp 4 (ZeRO-1 over dp alone) and in one process: the resumed steps
+    reproduce the uninterrupted single-process run."""
+    out, _ = trained
+    job = tiny_job_args(tmp_path / "unused")
+    cp_dp = override_args(**LLAMA, parallel__zero=1, train__micro_batch_size=GLOBAL_BATCH // 2)
+    first = [("saved", [*cp_dp, *override_args(parallel__cp=2, parallel__dp=2)])]
+    first[0][1].extend(override_args(train__stop_at_step=3))
+    result = jobs_train(tmp_path, 4, job, first)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = tmp_path / "saved"
+    assert (saved / "checkpoints" / "step_00000003").is_dir()
+    assert [r["step"] for r in read_metrics(saved)] == [1, 2, 3]
+    resumes = {
+        4: (
+            "dp4",
+            override_args(**LLAMA, parallel__dp=4, parallel__zero=1, train__micro_batch_size=2),
+        ),
+        1: ("single", override_args(**LLAMA, train__micro_batch_size=GLOBAL_BATCH)),
+    }
+    reference = read_metrics(out / "ref" / "llama")
+    for nproc, (name, args) in resumes.items():
+        shutil.copytree(saved, tmp_path / name)
+        result = jobs_train(tmp_path, nproc, job, [(name, args)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert (summary["steps"], summary["steps_this_run"]) == (5, 2)  # resumed at step 3
+        assert_same_training(reference, read_metrics(tmp_path / name))

@@ -221,7 +221,8 @@ def test_expert_parallel_validation():
     with pytest.raises(ConfigError) as info:
         config_from_dict({"parallel": {"dp": 4, "ep": 3}}, world_size=4)
     assert (
-        "parallel.ep (3) must divide dp (4): experts fold over the data-parallel ranks"
+        "parallel.ep (3) must divide dp x cp (4 x 1): experts fold over the data- and "
+        "context-parallel ranks"
         in info.value.problems
     )
     # A dense model has no experts to split.
@@ -237,8 +238,50 @@ def test_expert_parallel_validation():
         config_from_dict({**moe, "parallel": {"dp": 6, "ep": 6}}, world_size=6)
     cfg = config_from_dict({**moe, "parallel": {"dp": 4, "ep": 2}}, world_size=4)
     assert (cfg.parallel.ep, cfg.parallel.ep_dispatcher) == (2, "alltoall")
-    with pytest.raises(ConfigError, match="context parallelism is not built yet"):
-        config_from_dict({"parallel": {"dp": 2, "cp": 2}}, world_size=4)
+    # experts fold over dp x cp: ep 4 at dp 2 x cp 2 (moe-tiny's MTP off: not with cp)
+    no_mtp = {"model": {"preset": "moe-tiny", "mtp_depth": 0}}
+    cfg = config_from_dict({**no_mtp, "parallel": {"dp": 2, "cp": 2, "ep": 4}}, world_size=4)
+    assert cfg.parallel.ep == 4
+
+
+def test_context_parallel_validation():
+    """cp's arithmetic, each with its numbers: 2 x cp chunks (x tp under sp), heads per tp
+    rank divisible by cp for all-to-all, no attention dropout in the ring, no MTP."""
+    cfg = config_from_dict({"parallel": {"dp": 2, "cp": 2}}, world_size=4)
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm) == (2, "ring")
+
+    def problems(cfg: dict, world: int) -> list[str]:
+        with pytest.raises(ConfigError) as info:
+            config_from_dict(cfg, world_size=world)
+        return info.value.problems
+
+    assert problems({"parallel": {"cp": 4}, "data": {"seq_len": 100}}, 4) == [
+        "data.seq_len (100) is not divisible by 2 x cp = 8: context parallelism splits each "
+        "sequence into 2 x cp chunks (rank i holds chunks i and 2cp-1-i)"
+    ]
+    sp = {"parallel": {"cp": 2, "tp": 2, "sp": True}, "data": {"seq_len": 100}}
+    assert "2 x cp x tp = 2 x 2 x 2 = 8" in problems(sp, 4)[0]
+    a2a = {
+        "parallel": {"cp": 4, "cp_comm": "alltoall", "tp": 4},
+        "model": {"n_heads": 8, "n_kv_heads": 4},
+    }
+    assert problems(a2a, 16) == [
+        "parallel.cp_comm = 'alltoall' needs the query heads per tp rank (model.n_heads / tp "
+        "= 8 / 4 = 2) divisible by parallel.cp (4); use cp_comm = 'ring' or another cp"
+    ]
+    a2a["parallel"]["tp"] = 2  # 4 heads per tp rank: one per cp rank
+    assert config_from_dict(a2a, world_size=8).parallel.cp_comm == "alltoall"
+    dropout = {"parallel": {"cp": 2}, "model": {"dropout": 0.1}}
+    assert "model.dropout = 0.1 with parallel.cp_comm = 'ring'" in problems(dropout, 2)[0]
+    dropout["parallel"]["cp_comm"] = "alltoall"  # the whole-sequence core applies dropout
+    assert config_from_dict(dropout, world_size=2).model.dropout == 0.1
+    mtp = {
+        "model": {"family": "deepseek", "n_routed_experts": 4, "mtp_depth": 1},
+        "parallel": {"cp": 2},
+    }
+    assert any("model.mtp_depth = 1 with parallel.cp = 2" in p for p in problems(mtp, 2))
+    with pytest.raises(ConfigError, match="parallel.cp_comm"):
+        config_from_dict({"parallel": {"cp": 2, "cp_comm": "p2p"}}, world_size=2)
 
 
 def test_world_size_is_read_from_the_environment(monkeypatch):

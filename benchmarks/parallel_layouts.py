@@ -38,6 +38,9 @@ processes than cores (`--world 4` here) the numbers measure oversubscription, no
     python benchmarks/parallel_layouts.py                      # bf16, world sizes 1 and 2
     python benchmarks/parallel_layouts.py --dtype fp32 --json benchmarks/results/parallel_layouts_fp32.json
     python benchmarks/parallel_layouts.py --world 4 --only single,dp4-zero3,dp2-tp2
+    python benchmarks/parallel_layouts.py --dtype fp32 --seq-len 8192 --global-batch 1 \
+        --steps 3 --warmup 1 --only single,cp2-ring,cp2-alltoall,cp4-ring \
+        --json benchmarks/results/context_parallel_8192.json     # cp: activations ~ 1/cp
 """
 
 from __future__ import annotations
@@ -70,22 +73,25 @@ MB = 1e6
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout; its processes are dp * tp."""
+    """One parallel layout; its processes are dp * tp * cp."""
 
     name: str
     dp: int = 1
     tp: int = 1
     sp: bool = False
     zero: int = 0
+    cp: int = 1
+    cp_comm: str = "ring"
 
     @property
     def nproc(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.cp
 
     def overrides(self) -> list[str]:
         return [
             *("--parallel.dp", str(self.dp), "--parallel.tp", str(self.tp)),
             *("--parallel.sp", str(self.sp).lower(), "--parallel.zero", str(self.zero)),
+            *("--parallel.cp", str(self.cp), "--parallel.cp_comm", self.cp_comm),
         ]
 
 
@@ -103,6 +109,11 @@ LAYOUTS = (
     Layout("dp2-tp2", dp=2, tp=2),
     Layout("dp2-tp2-sp", dp=2, tp=2, sp=True),
     Layout("dp2-zero3-tp2-sp", dp=2, tp=2, sp=True, zero=3),
+    # context parallelism (6 query heads: all-to-all only at cp 2)
+    Layout("cp2-ring", cp=2),
+    Layout("cp2-alltoall", cp=2, cp_comm="alltoall"),
+    Layout("cp4-ring", cp=4),
+    Layout("dp2-cp2-zero1", dp=2, cp=2, zero=1),
 )
 
 
@@ -117,6 +128,7 @@ def job_overrides(args: argparse.Namespace, layout: Layout, run_dir: Path) -> li
     """The `--section.key value` overrides of one layout's job (what `hyperloom train` takes)."""
     return [
         *("--model.preset", "tiny", "--data.seq_len", str(args.seq_len)),
+        *("--model.max_seq_len", str(max(args.seq_len, 2048))),  # tiny's own is 2048
         *("--precision.dtype", args.dtype, "--train.device", "cpu"),
         *("--train.steps", str(args.steps), "--train.grad_accum", "1"),
         *("--train.micro_batch_size", str(args.global_batch // layout.dp)),
@@ -259,6 +271,19 @@ def read_run(run_dir: Path, out: Path, warmup: int) -> dict[str, Any]:
         "tokens_per_s_mean": statistics.fmean(timed) if timed else None,
         "peak_rss_gb_per_rank": [r["train_peak_rss_bytes"] / GB for r in ranks],
         "setup_peak_rss_gb_per_rank": [r["setup_peak_rss_bytes"] / GB for r in ranks],
+        # what training added to the built model's high-water mark, less the gradients and
+        # moments it allocated: activations and transient buffers (context parallelism's
+        # per-rank measure); approximate, as RSS is (freed heap pages may stay resident)
+        "activation_gb_per_rank": [
+            (
+                r["train_peak_rss_bytes"]
+                - r["setup_peak_rss_bytes"]
+                - r["state_bytes"]["grads"]
+                - r["state_bytes"]["optimizer"]
+            )
+            / GB
+            for r in ranks
+        ],
         "end_peak_rss_gb_per_rank": [r["end_peak_rss_bytes"] / GB for r in ranks],
         "state_mb_per_rank": [r["state_bytes"]["total"] / MB for r in ranks],
         "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
@@ -416,7 +441,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
     table.add_column("layout")
     for col in ("procs", "threads/proc", "tokens/s", "vs single", "peak RSS GB/rank"):
         table.add_column(col, justify="right")
-    for col in ("state MB/rank", "loss max rel diff", "other load"):
+    for col in ("activations GB/rank", "state MB/rank", "loss max rel diff", "other load"):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
@@ -432,6 +457,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
             f"{tps:,.0f}",
             f"{tps / ref_tps:.2f}x" if ref_tps else "-",
             _per_rank(r["peak_rss_gb_per_rank"], ".2f"),
+            _per_rank(r["activation_gb_per_rank"], ".2f"),
             _per_rank(r["state_mb_per_rank"], ".0f"),
             "ref" if r is single else ("-" if diff is None else f"{diff:.1e}"),
             ("-" if other is None else f"{other:.2f} cores") + (" !" if r["contended"] else ""),
@@ -441,6 +467,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
     console.print(
         f"tokens/s: median of steps {args.warmup + 1}..{args.steps}; peak RSS: each process's "
         "high-water mark at its last optimizer step (interpreter, torch and data included); "
+        "activations: that peak less the one after set-up, less gradients and moments; "
         "state: params + grads + Adam moments (+ ZeRO-1 master slice) held by the rank; loss "
         "diff: vs single, per step; other load: CPU other processes used during the timed steps "
         "(! = contended)"

@@ -53,6 +53,7 @@ class ContextShard:
             raise ValueError(f"parallel.cp_comm must be one of {FORMS}, got {self.comm!r}")
         self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
+        self._rope_key, self._rope_rows = None, None
 
     def __deepcopy__(self, memo):  # model copies (DualPipe's two chunks) share the group
         return self
@@ -89,9 +90,13 @@ class ContextShard:
         return torch.cat([where[j] * c + idx for j in range(2 * self.cp)]).to(device)
 
     def rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, seq: int):
-        """The RoPE table rows of this rank's `seq` local positions."""
-        idx = self.positions(seq, cos.device)
-        return cos[idx], sin[idx]
+        """The RoPE table rows of this rank's `seq` local positions; gathered once for all
+        layers (kept while the tables and the length stay the same)."""
+        key = (cos.data_ptr(), sin.data_ptr(), seq, cos.device)
+        if self._rope_key != key:
+            idx = self.positions(seq, cos.device)
+            self._rope_rows, self._rope_key = (cos[idx], sin[idx]), key
+        return self._rope_rows
 
     # ------------------------------------------------------------------ loss
 
@@ -122,8 +127,14 @@ class ContextShard:
         """Causal attention of the local q (b, hq, s, d) over every rank's k, v (b, hk, s, d /
         dv): `core` (the model's attention on whole sequences) runs under all-to-all."""
         if self.comm == "ring":
-            return RingAttention.apply(q, k, v, self)
+            block, unpack = pack_kv(k, v)
+            return RingAttention.apply(q, block, self, unpack)
         return ulysses_attention(q, k, v, self, core)
+
+    def latent_attention(self, q, block, expand, weights) -> torch.Tensor:
+        """Ring attention that passes MLA's compressed latent `block` (b, s, width) around
+        and expands it into K, V with `expand`, whose `weights` get their gradient here."""
+        return RingAttention.apply(q, block, self, expand, *weights)
 
 
 def context_shard(mesh, comm: str) -> ContextShard | None:
@@ -160,13 +171,17 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+    """K (b, hk, s, d) and V (b, hk, s, dv) as one (b, s, hk x (d + dv)) block to pass around
+    the ring, and the function that gives them back from such a block (views, no weights)."""
+    hk, d, dv = k.shape[1], k.shape[-1], v.shape[-1]
+    block = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
 
+    def unpack(x: torch.Tensor):
+        kx, vx = x.split([hk * d, hk * dv], dim=-1)
+        return kx.unflatten(-1, (hk, d)).transpose(1, 2), vx.unflatten(-1, (hk, dv)).transpose(1, 2)
 
-def _unpack(flat: torch.Tensor, k_like: torch.Tensor, v_like: torch.Tensor):
-    k, v = flat.split([k_like.numel(), v_like.numel()])
-    return k.view(k_like.shape), v.view(v_like.shape)
+    return block, unpack
 
 
 def _merge(out, lse, rows: slice, o, l):  # noqa: E741 (lse of a block)
@@ -190,61 +205,78 @@ def _step_blocks(shard: ContextShard, step: int, s: int):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal ring attention over the cp group of `shard` (module doc)."""
+    """Causal ring attention over the cp group of `shard` (module doc).
+
+    What travels is a block (b, s, width) from which `expand` makes K and V (b, hk, s, d / dv):
+    K and V themselves (`pack_kv`), or MLA's compressed latent [c_kv ‖ k_pe], which each rank
+    expands with its own copy of wkv_b (`weights`, whose gradient it accumulates), so the ring
+    carries kv_lora_rank + rope_dim values per token instead of heads x (d + dv). The backward
+    expands again under autograd and sends the block's gradient home with it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shard: ContextShard):
+    def forward(ctx, q, block, shard: ContextShard, expand, *weights):
         b, hq, s, _ = q.shape
-        out = torch.zeros(b, hq, s, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-        kk, vv = k, v
+        out = lse = None
+        held = block
         for step in range(shard.cp):
             if step + 1 < shard.cp:  # the next block travels while this one is computed
-                incoming, works = _exchange(shard, _pack(kk, vv))
+                incoming, works = _exchange(shard, held.contiguous())
             rows, keys, causal = _step_blocks(shard, step, s)
-            o, l = attention_block(q[:, :, rows], kk[:, :, keys], vv[:, :, keys], causal)  # noqa: E741
+            k, v = expand(held[:, keys])
+            if out is None:  # laid out (b, s, heads, dv) as SDPA's output is: the caller's
+                # (b, s, heads * dv) is then a view, not a second copy held for wo's backward
+                out = torch.zeros(b, s, hq, v.shape[-1], dtype=torch.float32, device=q.device)
+                out = out.transpose(1, 2)
+                lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+            o, l = attention_block(q[:, :, rows], k, v, causal)  # noqa: E741
             _merge(out, lse, rows, o, l)
             if step + 1 < shard.cp:
                 _wait(works)
-                kk, vv = _unpack(incoming, k, v)
+                held = incoming
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shard = shard
+        ctx.save_for_backward(q, block, out, lse, *weights)
+        ctx.shard, ctx.expand = shard, expand
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        shard, s = ctx.shard, q.shape[2]
+        q, block, out, lse, *weights = ctx.saved_tensors
+        shard, expand, s = ctx.shard, ctx.expand, q.shape[2]
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (b, hq, s)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kk, vv = k, v
-        grads = grad_works = None  # the accumulated dk, dv of the block now held (rank-1's)
+        dw = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+        held = block
+        grads = grad_works = None  # the held block's gradient so far, arriving from rank-1
         for step in range(shard.cp):
             if step + 1 < shard.cp:
-                incoming, works = _exchange(shard, _pack(kk, vv))
+                incoming, works = _exchange(shard, held.contiguous())
             rows, keys, causal = _step_blocks(shard, step, s)
+            with torch.enable_grad():
+                leaf = held.detach().requires_grad_()
+                k, v = expand(leaf[:, keys])
             dq_b, dk_b, dv_b = attention_block_backward(
-                q[:, :, rows], kk[:, :, keys], vv[:, :, keys], dout[:, :, rows],
+                q[:, :, rows], k.detach(), v.detach(), dout[:, :, rows],
                 lse[:, :, rows], delta[:, :, rows], causal,
             )  # fmt: skip
             dq[:, :, rows] += dq_b
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
+            found = torch.autograd.grad(
+                (k, v), (leaf, *weights), (dk_b.to(k.dtype), dv_b.to(v.dtype)), allow_unused=True
+            )
+            mine = found[0].float()
+            for acc, g in zip(dw, found[1:], strict=True):
+                if g is not None:
+                    acc += g
             if grads is not None:  # the previous hops' share of this block, overlapped
                 _wait(grad_works)
-                prev_dk, prev_dv = _unpack(grads, dk, dv)
-                dk += prev_dk
-                dv += prev_dv
-            grads, grad_works = _exchange(shard, _pack(dk, dv))
+                mine += grads
+            grads, grad_works = _exchange(shard, mine)
             if step + 1 < shard.cp:
                 _wait(works)
-                kk, vv = _unpack(incoming, k, v)
+                held = incoming
         _wait(grad_works)  # after cp hops each block's gradient is back with its owner
-        dk, dv = _unpack(grads, k, v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dw = [g.to(w.dtype) for g, w in zip(dw, weights, strict=True)]
+        return dq.to(q.dtype), grads.to(block.dtype), None, None, *dw
 
 
 # ---------------------------------------------------------------------- all-to-all
@@ -273,7 +305,8 @@ def _heads_to_seq(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     back = torch.argsort(shard.order(s, x.device))
     major = x.index_select(2, back).unflatten(2, (cp, s)).movedim(2, 0)  # (cp, b, h/cp, s, d)
     got = _all_to_all(major, shard.group)  # (cp, b, h/cp, s, d): head group j, my sequence
-    return got.movedim(0, 1).flatten(1, 2)
+    # laid out (b, s, h, d), as SDPA's output is, so the caller's (b, s, h * d) is a view
+    return got.permute(1, 3, 0, 2, 4).flatten(2, 3).transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """`hyperloom plan`: predict one layout, search the layouts, or calibrate this machine.
 
     hyperloom plan predict CONFIG.toml [--section.key value ...] [--schedule K --vpp V
-                   --recompute R --fp8 --dispatcher D] [--gpus N]
+                   --recompute R --fp8 --dispatcher D --cp-comm C] [--gpus N]
     hyperloom plan search --model llama3-70b --gpus 1024 --accelerator h100
                    --global-batch 1024 --seq 8192 [--top 10] [--fix tp=8,pp=4/8]
     hyperloom plan search CONFIG.toml [--section.key value ...] [--fix ...]
@@ -49,6 +49,7 @@ _FIXABLE = {
     "tp": int,
     "pp": int,
     "cp": int,
+    "cp_comm": str,  # context-parallel attention: ring or alltoall
     "mbs": int,
     "zero": int,
     "vpp": int,
@@ -156,6 +157,13 @@ def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
         choices=["alltoall", "allgather"],
         default=None,
         help=f"{mode}expert-parallel token dispatch (default alltoall)",
+    )
+    p.add_argument(
+        "--cp-comm",
+        choices=["ring", "alltoall"],
+        default=None,
+        help=f"{mode}how attention crosses the context-parallel ranks (default: the job's "
+        "parallel.cp_comm)",
     )
     p.add_argument(
         "--moe-imbalance",
@@ -389,6 +397,8 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         s = Strategy.from_job(job, args.schedule, args.vpp, "none" if auto else recompute, fp8)
         if args.dispatcher:
             s = dataclasses.replace(s, dispatcher=args.dispatcher)
+        if args.cp_comm:
+            s = dataclasses.replace(s, cp_comm=args.cp_comm)
         seq, gpus, gbs = args.seq or job.data.seq_len, args.gpus or s.world, s.global_batch
         if auto:  # the policy the trainer will choose, from this command's own model
             cluster = _cluster(args, gpus)

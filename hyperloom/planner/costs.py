@@ -12,7 +12,11 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
 
 - TP: two all-reduces each way, or with SP two all-gathers plus two reduce-scatters (and two
   re-gathers for wgrad when inputs are saved sharded);
-- CP: K and V all-gathered forward, gathered and reduce-scattered backward;
+- CP (`context_comm`), ring: cp steps of 1/cp of the rank's attention each; before every
+  step but the last the next K/V block goes to the next rank (p2p, activation dtype), and
+  each exchange exposes only what exceeds its step's compute; backward also passes the FP32
+  dK/dV accumulators round (cp exchanges, each behind the next step, the last exposed).
+  Ulysses (alltoall): q, k, v and the output all-to-all'd each way, nothing hidden;
 - ZeRO-3: each layer's parameters gathered (BF16) forward and backward;
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
@@ -49,11 +53,13 @@ from hyperloom.planner.strategy import Runtime, Strategy
 class Links:
     tp: Link
     cp: Link
+    cp_p2p: Link  # ring attention's neighbour exchange (one NIC once the ring spans nodes)
     dp: Link  # the gradient group: data x context parallel (`Strategy.dcp`)
     pp: Link
     ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
     edp: Link | None = None  # the expert-data-parallel group (expert gradients)
     a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
+    cp_a2a: AllToAll = AllToAll()  # Ulysses' all-to-all over the cp group
 
 
 def expert_strides(s: Strategy, st: dict[str, int]) -> tuple[int, int]:
@@ -70,8 +76,10 @@ def links_for(cluster: Cluster, s: Strategy, spec: ModelSpec | None = None, dedu
     links = Links(
         tp=group_link(cluster, s.tp, st["tp"]),
         cp=group_link(cluster, s.cp, st["cp"]),
+        cp_p2p=p2p_link(cluster, s.cp, st["cp"]),
         dp=group_link(cluster, s.dcp, expert_strides(s, st)[0]),  # gradients: dp x cp
         pp=p2p_link(cluster, s.pp, st["pp"]),
+        cp_a2a=all_to_all_cost(cluster, s.cp, st["cp"]),
     )
     if s.ep <= 1:
         return links
@@ -180,9 +188,7 @@ def layer_phase(
     tp_f = _exposed(tp_pass, gemm, rt.tp_overlap)
     tp_b = _exposed(grad_pass, gemm, rt.tp_overlap)
     tp_w = _exposed(regather, gemm, rt.tp_overlap)
-    cp_gather = collective_time("all_gather", s.cp, layer.cp_buffer, links.cp)
-    cp_f = _exposed(cp_gather, attn_f, rt.cp_overlap)
-    cp_b = _exposed(2 * cp_gather, attn_b, rt.cp_overlap)
+    cp_f, cp_b = context_comm(layer, s, links, rt, attn_f, attn_b)
     dp_f = dp_b = 0.0
     if s.zero == 3 and s.dcp > 1:
         groups = [(spec.layer_params() / t, s.dcp, links.dp)]
@@ -223,7 +229,10 @@ def layer_phase(
         routed_act = layer.expert_act_bytes
         mla_up = "mla_up" in mods and spec.mla  # a region holding the core (DeepSeek)
         core = "core_attn" in mods or mla_up
-        recompute = (attn_f if core else 0.0) + (
+        # the ring's exchanges live inside the attention core, so recomputing it re-runs
+        # them; Ulysses' all-to-alls sit outside it
+        ring = cp_f if s.cp_comm == "ring" else 0.0
+        recompute = (attn_f + ring if core else 0.0) + (
             acc.elementwise_time(layer.act_bytes - routed_act) if "mlp_act" in mods else 0.0
         )
         recompute += acc.elementwise_time(layer.norm_bytes) if "norm" in mods else 0.0
@@ -247,6 +256,35 @@ def layer_phase(
         dp_comm=dp_f + dp_b,
         ep_comm=ep_f + ep_b,
     )
+
+
+def context_comm(
+    layer: Layer, s: Strategy, links: Links, rt: Runtime, attn_f: float, attn_b: float
+) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one layer's context-parallel communication
+    for one micro-batch, given the rank's attention time each way; 0 at cp = 1.
+
+    Ring (load-balanced: rank i holds chunks i and 2cp-1-i, so each of the cp steps computes
+    1/cp of the rank's attention): forward, cp-1 K/V exchanges, each behind one step;
+    backward, cp-1 K/V exchanges and cp exchanges of the FP32 dK/dV accumulators, that of
+    step i behind step i+1 (sharing the link with the K/V exchange there), the last exposed.
+    Each exchange exposes ``comm - cp_overlap * min(comm, step)``. Ulysses: four all-to-alls
+    of the local q, k, v and output (or of their gradients) each way, none hidden."""
+    cp = s.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    width = rt.act_width
+    if s.cp_comm == "alltoall":
+        one = sum(links.cp_a2a.time(width * n) for n in layer.cp_a2a)
+        return one, one
+    kv = collective_time("p2p", cp, width * layer.cp_kv, links.cp_p2p)
+    dkv = collective_time("p2p", cp, 4.0 * layer.cp_kv, links.cp_p2p)
+    step_f, step_b, eta = attn_f / cp, attn_b / cp, rt.cp_overlap
+    fwd = (cp - 1) * _exposed(kv, step_f, eta)
+    bwd = _exposed(kv, step_b, eta)  # step 0 hides the first K/V exchange
+    bwd += (cp - 2) * _exposed(kv + dkv, step_b, eta)  # steps 1..cp-2 hide both
+    bwd += _exposed(dkv, step_b, eta) + dkv  # step cp-1 hides one dK/dV, the last is exposed
+    return fwd, bwd
 
 
 def expert_parallel_comm(

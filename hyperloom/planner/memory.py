@@ -17,8 +17,9 @@ come out of the schedule, not a formula.
 
 On top: one backward's transient working set, autocast and FP8 weight copies, DDP's bucket
 copy or ZeRO-1's gradient copy where the runtime makes one, FSDP's gathered layers, expert
-dispatch buffers. Reserved = peak / 0.94 (SimuMax's ``mem_factor``), and a plan keeps a
-margin (6 GiB) for the context and NCCL. A CPU profile's ``host_runtime_bytes`` and
+dispatch buffers, one layer's context-parallel attention buffers (`cp_buffer`). Reserved =
+peak / 0.94 (SimuMax's ``mem_factor``), and a plan keeps a margin (6 GiB) for the context and
+NCCL. A CPU profile's ``host_runtime_bytes`` and
 ``host_churn_factor`` (`host_memory.py`) turn live bytes into resident bytes.
 
 `grads_at_peak`: Megatron's gradient buffers are persistent; hyperloom frees gradients after
@@ -185,13 +186,17 @@ class LayerMemory:
     # what the forward allocates per micro-batch whatever it keeps (the no-recompute saved
     # bytes): recompute frees it sooner, but a host allocator churns through all of it
     allocated: float = 0.0
+    cp: float = 0.0  # one layer's context-parallel attention buffers (`cp_buffer`)
 
     @classmethod
-    def of(cls, layer: Layer, recompute: str, fp8: bool, dispatch: float = 0.0) -> LayerMemory:
+    def of(
+        cls, layer: Layer, recompute: str, fp8: bool, dispatch: float = 0.0, cp: float = 0.0
+    ) -> LayerMemory:
         saved = saved_bytes(layer, recompute, fp8)
         biggest = max(t.nbytes for t in layer.saved)
         every = saved_bytes(layer, "none", fp8)
-        return cls(saved, w_pending_bytes(layer, fp8), every - saved + 2 * biggest, dispatch, every)
+        working = every - saved + 2 * biggest
+        return cls(saved, w_pending_bytes(layer, fp8), working, dispatch, every, cp)
 
 
 def dispatch_buffer(layer: Layer, spec: ModelSpec, s: Strategy) -> float:
@@ -203,6 +208,21 @@ def dispatch_buffer(layer: Layer, spec: ModelSpec, s: Strategy) -> float:
     if s.dispatcher == "allgather":
         return 2.0 * s.ep * layer.dispatch_bytes
     return layer.dispatch_bytes * (1.0 + spec.moe_imbalance)
+
+
+def cp_buffer(layer: Layer, s: Strategy, act_width: float = 2.0) -> float:
+    """Bytes one layer's attention holds while it crosses the context-parallel ranks (0 at
+    cp = 1). Ring: two K/V blocks (the one computed on, the one arriving) and, forward, the
+    FP32 output and log-sum-exp accumulators, or, backward, the FP32 dQ and two FP32 dK/dV
+    blocks (the one accumulating, the one in flight), whichever is larger. Ulysses: the
+    re-sharded q, k, v and output (heads/cp over the whole sequence: the local sizes)."""
+    if s.cp <= 1:
+        return 0.0
+    if s.cp_comm == "alltoall":
+        return act_width * sum(layer.cp_a2a)
+    blocks = 2.0 * act_width * layer.cp_kv
+    dq = layer.cp_a2a[0]  # the local queries' elements
+    return blocks + max(4.0 * layer.cp_acc, 4.0 * (dq + 2.0 * layer.cp_kv))
 
 
 def grads_at_peak(
@@ -262,10 +282,11 @@ def rank_memory(
     n_layers = sum(layers[c] for c in chunks)
     activations = in_flight * unit + w_pending * max(layers[c] for c in chunks) * lm.w_pending
 
-    # One backward's working set: a recomputed layer plus gradient buffers; on the last
-    # chunk the cross-entropy's BF16 logits and FP32 temporaries (its saved FP32 exp is in
-    # the chunk extras), or the fused operator's chunk temporaries.
-    transient = lm.working
+    # One backward's working set: a recomputed layer plus gradient buffers and its
+    # context-parallel attention buffers; on the last chunk the cross-entropy's BF16 logits
+    # and FP32 temporaries (its saved FP32 exp is in the chunk extras), or the fused
+    # operator's chunk temporaries.
+    transient = lm.working + lm.cp
     if last in chunks:
         if rt.fused_cross_entropy:
             transient = max(transient, ce_working_bytes(spec, s, seq))

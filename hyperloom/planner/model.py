@@ -289,7 +289,14 @@ class Layer:
     core_bytes: float  # forward bytes of the unfused softmax/mask/dropout (no flash)
     saved: tuple[Saved, ...]
     tp_buffer: float  # bytes of one TP collective's full buffer (b * s/cp * h * 2)
-    cp_buffer: float  # bytes of the full K+V gathered over cp
+    # Context parallelism, in elements (the runtime's widths apply: `costs.context_comm`):
+    # K and V of this rank's tokens, ring attention's block (b * s/cp * kv heads/tp *
+    # (d_qk + d_v)); its FP32 output and log-sum-exp accumulators (b * s/cp * heads/tp *
+    # (d_v + 1)); and the local q, k, v and output that Ulysses' all-to-alls move, k and v
+    # repeated up to the query heads when their heads per tp rank do not divide by cp.
+    cp_kv: float
+    cp_acc: float
+    cp_a2a: tuple[float, float, float, float]
     grad_out_bytes: float  # output-gradient bytes of the GEMMs (Zero Bubble's W keeps them)
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
     expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
@@ -319,6 +326,7 @@ def build_layer(
     ep: int = 1,
     per_op_casts: bool = False,
     act_width: float = 2.0,
+    latent_ring: bool = False,
 ) -> Layer:
     """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks.
 
@@ -333,7 +341,9 @@ def build_layer(
         raise PlanError("autocast casts per op are BF16 activations (act_width 2)")
     A = act_width  # noqa: N806 - bytes per activation element
     if spec.mla:
-        return _build_deepseek_layer(spec, mbs, seq, tp, cp, sp, sharded_save, ep, act_width)
+        return _build_deepseek_layer(
+            spec, mbs, seq, tp, cp, sp, sharded_save, ep, act_width, latent_ring
+        )
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
     t, tokens = tp, mbs * seq / cp  # tokens this rank owns along the sequence
     sp = sp and t > 1
@@ -403,6 +413,8 @@ def build_layer(
         + (2 * 5.0 * x_sp if spec.dropout else 0.0)
     )
     grad_out = A * tokens * ((q + 2 * kv) / t + 2 * h + n_fc1 / t)
+    kv_heads = spec.n_kv_heads // t
+    kv_a2a = tokens * (kv if kv_heads % cp == 0 else q) / t  # repeated up to the query heads
     return Layer(
         gemms=gemms,
         attn_flops=attn_flops,
@@ -413,7 +425,9 @@ def build_layer(
         core_bytes=core_bytes,
         saved=tuple(saved),
         tp_buffer=A * x_full,
-        cp_buffer=2.0 * A * tokens * cp * kv / t,
+        cp_kv=2.0 * tokens * kv / t,
+        cp_acc=tokens * (q + a) / t,
+        cp_a2a=(tokens * q / t, kv_a2a, kv_a2a, tokens * q / t),
         grad_out_bytes=grad_out,
         seq=seq,
         cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,
@@ -431,6 +445,7 @@ def _build_deepseek_layer(
     sharded_save: bool,
     ep: int,
     act_width: float = 2.0,
+    latent_ring: bool = False,
 ) -> Layer:
     """The mean DeepSeek layer: MLA plus, weighted by their share of the layers, the dense
     SwiGLU FFN of the first `n_dense_layers` and the MoE FFN of the rest (GEMM `count` and
@@ -449,6 +464,12 @@ def _build_deepseek_layer(
     tokens x top_k x dim BF16 elements (over tp when tp > 1: each tensor-parallel rank sends
     its 1/tp share and the expert-tp group gathers them back, see `costs.layer_phase`).
     `act_width`: bytes per activation element, as in `build_layer`.
+
+    `latent_ring` (ring context parallelism with wkv_b not in FP8,
+    `hyperloom.parallel.context_parallel.RingAttention`): the ring passes the compressed
+    latent [c_kv ‖ k_pe] (kv_lora_rank + rope per token, whole on every tp rank) instead of
+    per-head K/V, saves it instead of K and V, and expands each block it holds with wkv_b:
+    cp expansions forward (each step's block; counted whole) and again in backward.
     """
     h, a, t = spec.dim, spec.n_heads, tp
     A = act_width  # noqa: N806 - bytes per activation element
@@ -470,7 +491,7 @@ def _build_deepseek_layer(
         gemms.append(Gemm("wq", tokens, q_dim / t, h))
     gemms += [
         Gemm("wkv_a", tokens, kvl + rope, h),
-        Gemm("wkv_b", tokens, a * (spec.qk_nope_head_dim + vd) / t, kvl),
+        Gemm("wkv_b", tokens, a * (spec.qk_nope_head_dim + vd) / t, kvl, cp if latent_ring else 1),
         Gemm("wo", tokens, h, v_dim / t),
     ]
     f = spec.ffn_dim
@@ -508,9 +529,16 @@ def _build_deepseek_layer(
         Saved("q_latent", A * tokens * (ql + ql), "layer", gemm_input=True),  # pre/post norm
         Saved("kv_latent", A * tokens * (2 * kvl + rope), "layer", gemm_input=True),
         Saved("q", A * tokens * q_dim / t, "mla_up"),
-        Saved("k", A * tokens * q_dim / t, "mla_up"),
-        # v is a slice of wkv_b's output, whose whole storage (k_nope too) stays with it
-        Saved("v", A * tokens * a * (spec.qk_nope_head_dim + vd) / t, "mla_up"),
+    ]
+    if latent_ring:
+        saved.append(Saved("latent", A * tokens * (kvl + rope), "mla_up"))
+    else:
+        saved += [
+            Saved("k", A * tokens * q_dim / t, "mla_up"),
+            # v is a slice of wkv_b's output, whose whole storage (k_nope too) stays with it
+            Saved("v", A * tokens * a * (spec.qk_nope_head_dim + vd) / t, "mla_up"),
+        ]
+    saved += [
         Saved("lse", 4 * tokens * heads, "core_attn", also="mla_up"),
         Saved("out_in", A * tokens * v_dim / t, "layer", gemm_input=True),
         Saved("norm2_in", A * x_sp, "layer"),
@@ -558,7 +586,10 @@ def _build_deepseek_layer(
         core_bytes=0.0,
         saved=tuple(saved),
         tp_buffer=A * x_full,
-        cp_buffer=2.0 * tokens * cp * (q_dim + v_dim) / t,
+        # MLA: the compressed latent, or K and V per query head
+        cp_kv=tokens * (kvl + rope) if latent_ring else tokens * (q_dim + v_dim) / t,
+        cp_acc=tokens * (v_dim + a) / t,
+        cp_a2a=(tokens * q_dim / t, tokens * q_dim / t, tokens * v_dim / t, tokens * v_dim / t),
         grad_out_bytes=grad_out,
         seq=seq,
         moe_fraction=wm,

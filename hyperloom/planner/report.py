@@ -72,7 +72,7 @@ def plans_table(plans: list[Plan], title: str) -> Table:
             str(s.pp),
             str(s.stages_per_rank),
             str(s.dp),
-            str(s.cp),
+            str(s.cp) + (" a2a" if s.cp > 1 and s.cp_comm == "alltoall" else ""),
             str(s.ep) + (" ag" if s.ep > 1 and s.dispatcher == "allgather" else ""),
             str(s.zero),
             f"{s.mbs} x {s.microbatches}",

@@ -1,7 +1,8 @@
 """Search the parallel strategy space for the fastest layouts that fit in memory.
 
-The space is tp x cp x pp (dp is what remains) x ep (MoE: divisors of dp * cp that divide the
-experts) x micro-batch size x ZeRO x schedule (and vpp) x recompute x FP8. Three filters,
+The space is tp x cp (ring, or Ulysses' all-to-all where the heads per tp rank divide by cp) x
+pp (dp is what remains) x ep (MoE: divisors of dp * cp that divide the experts) x micro-batch
+size x ZeRO x schedule (and vpp) x recompute x FP8. Three filters,
 cheapest first, with counts reported: validity (`strategy.check`), memory (`memory.py` with the
 schedule's own in-flight counts), and branch and bound on time -- survivors are replayed
 (fast) in order of a lower bound (busiest rank's compute, no bubble) until the next bound
@@ -44,6 +45,7 @@ class SearchSpace:
 
     tp: tuple[int, ...] = (1, 2, 4, 8)
     cp: tuple[int, ...] = (1, 2, 4, 8)
+    cp_comm: tuple[str, ...] = ("ring", "alltoall")  # at cp > 1; alltoall where heads divide
     pp: tuple[int, ...] = ()
     ep: tuple[int, ...] = ()  # () = every valid one: divisors of dp*cp dividing the experts
     dispatcher: tuple[str, ...] = ("alltoall",)
@@ -62,8 +64,8 @@ class SearchSpace:
             name = {"schedule": "schedules"}.get(key, key)
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise PlanError(
-                    f"cannot fix {key!r}; fixable: tp, cp, pp, ep, dispatcher, mbs, zero, "
-                    f"schedule, vpp, recompute, fp8"
+                    f"cannot fix {key!r}; fixable: tp, cp, cp_comm, pp, ep, dispatcher, mbs, "
+                    f"zero, schedule, vpp, recompute, fp8"
                 )
             out[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         return dataclasses.replace(self, **out)
@@ -117,11 +119,24 @@ def expert_degrees(spec: ModelSpec, dp: int, cp: int, space: SearchSpace) -> tup
     return tuple(d for d in _divisors(dp * cp) if spec.n_routed_experts % d == 0)
 
 
+def context_forms(spec: ModelSpec, tp: int, cp: int, space: SearchSpace) -> tuple[str, ...]:
+    """The cp_comm values to try: the space's at cp > 1, Ulysses' all-to-all only where the
+    query heads per tp rank divide by cp (a pinned one goes through `check`); ring at cp = 1,
+    where neither runs."""
+    if cp == 1:
+        return ("ring",)
+    if len(space.cp_comm) == 1:
+        return space.cp_comm
+    heads = spec.n_heads // tp if spec.n_heads % tp == 0 else 0
+    return tuple(c for c in space.cp_comm if c != "alltoall" or (heads and heads % cp == 0))
+
+
 def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace, accel_fp8: bool):
     """Every point of the space for `gpus` GPUs and `global_batch` sequences per step."""
     for tp, cp in itertools.product(space.tp, space.cp):
         if gpus % (tp * cp):
             continue
+        forms = context_forms(spec, tp, cp, space)
         pps = space.pp or tuple(d for d in _divisors(gpus // (tp * cp)) if d <= spec.n_layers)
         for pp in pps:
             if gpus % (tp * cp * pp):
@@ -144,8 +159,8 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                     for ep in expert_degrees(spec, dp, cp, space)
                     for d in (space.dispatcher if ep > 1 else ("alltoall",))
                 ]
-                for (ep, disp), (kind, v), zero, rc, fp8 in itertools.product(
-                    experts, kinds, space.zero, space.recompute, space.fp8
+                for (ep, disp), form, (kind, v), zero, rc, fp8 in itertools.product(
+                    experts, forms, kinds, space.zero, space.recompute, space.fp8
                 ):
                     if fp8 and not accel_fp8:
                         continue
@@ -156,6 +171,7 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                         pp=pp,
                         dp=dp,
                         cp=cp,
+                        cp_comm=form,
                         ep=ep,
                         dispatcher=disp,
                         vpp=v,

@@ -36,7 +36,8 @@ CPU_PROFILE = "calibrated-cpu"  # what `calibrate` names a profile measured on a
 def cpu_runtime(rt: Runtime) -> Runtime:
     """The runtime on CPU ranks: gloo copies and reduces on the cores the compute needs, so
     a collective issued "in the background" (DDP's buckets during the backward, FSDP's
-    prefetches) takes its time from the compute instead of hiding behind it; and ZeRO-1 on
+    prefetches, ring attention's K/V exchanges) takes its time from the compute instead of
+    hiding behind it; and ZeRO-1 on
     gloo all-reduces in place (`parallel/zero1.py`)."""
     return dataclasses.replace(
         rt,

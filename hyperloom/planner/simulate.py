@@ -42,7 +42,7 @@ from hyperloom.planner.costs import (
 )
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile
-from hyperloom.planner.memory import LayerMemory, Memory, dispatch_buffer, rank_memory
+from hyperloom.planner.memory import LayerMemory, Memory, cp_buffer, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
 
@@ -169,9 +169,11 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     reset, so one entry serves every schedule of a layout."""
     links = links_for(cluster, key, spec, rt.a2a_node_dedup)
     acc = effective_profile(cluster, rt)
+    # MLA's ring passes the compressed latent unless wkv_b runs in FP8 (models.deepseek.mla)
+    latent_ring = key.cp > 1 and key.cp_comm == "ring" and not key.fp8
     layer = build_layer(
         spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op,
-        rt.act_width,
+        rt.act_width, latent_ring,
     )  # fmt: skip
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links, rt)
@@ -179,7 +181,13 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
     fp8_saved = key.fp8 and rt.fp8_saved_inputs
-    lm = LayerMemory.of(layer, key.recompute, fp8_saved, dispatch_buffer(layer, spec, key))
+    lm = LayerMemory.of(
+        layer,
+        key.recompute,
+        fp8_saved,
+        dispatch_buffer(layer, spec, key),
+        cp_buffer(layer, key, rt.act_width),
+    )
     return lm, one, emb, head, links
 
 

@@ -1,9 +1,10 @@
 """A parallel strategy (what the search varies) and a runtime (how the trainer behaves).
 
-`Strategy` is one point of the search space (tp, pp, vpp, dp, cp, ep, ZeRO, micro-batches,
-schedule, recompute, FP8; `Strategy.from_job`); `check` says why a point cannot run, with the
-arithmetic. `Runtime` is what a strategy costs on a given trainer: byte widths of parameters,
-gradients and optimizer state, and which communication is overlapped and how well.
+`Strategy` is one point of the search space (tp, pp, vpp, dp, cp and its attention
+communication, ep, ZeRO, micro-batches, schedule, recompute, FP8; `Strategy.from_job`);
+`check` says why a point cannot run, with the arithmetic. `Runtime` is what a strategy costs on
+a given trainer: byte widths of parameters, gradients and optimizer state, and which
+communication is overlapped and how well.
 
 - ``hyperloom``: FP32 parameters under BF16 autocast, 16 B/param (zero 0, DDP overlapped with
   backward), 8 + 12/dp (our ZeRO-1, not overlapped; in-place all-reduces on gloo,
@@ -21,6 +22,10 @@ all-gather pair, not overlapped in either runtime (``ep_overlap`` 0). ``dualpipe
 (the share hidden in DualPipe's FB pairs), ``a2a_node_dedup`` (DeepEP's once-per-node dispatch)
 and ``fp8_dispatch`` describe DeepSeek's own system and are set only where it is modelled.
 ``param_bytes=2`` models Megatron's memory layout with hyperloom's overlap.
+
+Context parallelism (``Strategy.cp_comm``) is a ring of K/V blocks, each step's exchange
+hidden behind that step's attention (``cp_overlap``: 1 on devices, 0 on CPU where gloo
+computes on the same cores), or Ulysses' all-to-alls, never hidden (`costs.context_comm`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from hyperloom.planner.model import ModelSpec, parse_recompute
 
 ZERO_MODES = (0, 1, 3)
 DISPATCHERS = ("alltoall", "allgather")
+CP_COMMS = ("ring", "alltoall")  # the values of the job's parallel.cp_comm
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,10 @@ class Runtime:
     fsdp_unsharded_accumulation: bool = True  # FSDP2 no_sync keeps unsharded grads
     sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
     tp_overlap: float = 0.0  # fraction of TP comm hidden behind GEMMs
-    cp_overlap: float = 1.0  # fraction of CP comm hidden behind attention
+    # Ring attention: the fraction of each step's K/V (or dK/dV) exchange that hides behind
+    # that step's attention compute; what exceeds the compute is exposed whatever this is.
+    # Ulysses' all-to-alls are never hidden.
+    cp_overlap: float = 1.0
     ddp_overlap: float = 1.0  # zero 0: all-reduce behind the last backward
     zero1_overlap: float = 0.0  # zero 1: reduce-scatter / all-gather behind compute
     zero1_in_place: bool = False  # zero 1 all-reduces grads and weights instead (gloo)
@@ -181,6 +190,7 @@ class Strategy:
     sp: bool = True  # sequence parallelism whenever tp > 1
     order: str = "pp,dp,cp,tp"
     dispatcher: str = "alltoall"  # EP token dispatch: "alltoall" or "allgather"
+    cp_comm: str = "ring"  # CP attention: "ring" (K/V blocks passed round) or "alltoall" (Ulysses)
 
     @property
     def world(self) -> int:
@@ -218,7 +228,7 @@ class Strategy:
             parts.append(f"v{self.stages_per_rank}")
         parts += [f"dp{self.dp}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("a2a" if self.cp_comm == "alltoall" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + ("ag" if self.dispatcher == "allgather" else ""))
         parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
@@ -240,7 +250,8 @@ class Strategy:
         fp8: bool | None = None,
     ) -> Strategy:
         """The layout a training job runs: [parallel] and [train] read as `hyperloom train`
-        reads them (a step is `microbatches x grad_accum` micro-batches per dp rank); the
+        reads them (a step is `microbatches x grad_accum` micro-batches per dp rank, the
+        attention crosses the cp ranks by `parallel.cp_comm`); the
         schedule kind, chunks per rank, recompute policy and FP8 from the job unless given."""
         par, tr = job.parallel, job.train
         if recompute is None:
@@ -257,6 +268,7 @@ class Strategy:
             pp=par.pp,
             dp=par.dp,
             cp=par.cp,
+            cp_comm=par.cp_comm,
             ep=par.ep,
             dispatcher=par.ep_dispatcher,
             zero=par.zero,
@@ -289,6 +301,13 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
     split = s.cp * 2 if s.cp > 1 else 1  # load-balanced CP cuts 2*cp chunks
     if seq % (split * (s.tp if s.sp and s.tp > 1 else 1)):
         return f"seq ({seq}) must divide by {'2*cp*' if s.cp > 1 else ''}tp = {split * s.tp}"
+    if s.cp_comm not in CP_COMMS:
+        return f"cp_comm must be one of {CP_COMMS}, got {s.cp_comm!r}"
+    if s.cp > 1 and s.cp_comm == "alltoall" and (spec.n_heads // s.tp) % s.cp:
+        return (
+            f"cp_comm 'alltoall' needs the query heads per tp rank (n_heads / tp = "
+            f"{spec.n_heads} / {s.tp} = {spec.n_heads // s.tp}) divisible by cp ({s.cp})"
+        )
     if s.zero not in ZERO_MODES:
         return f"zero must be one of {ZERO_MODES}, got {s.zero}"
     if s.schedule not in SCHEDULES:

@@ -33,6 +33,41 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
+def latent_case(cp: int, rank: int, group, seq: int) -> float:
+    """MLA's ring that passes the compressed latent [c_kv ‖ k_pe] (width 6 + 4) and expands
+    it with a shared up-projection W on each rank: output, the latent's gradient and W's
+    gradient (summed over the ranks, as data parallelism sums it) against one process."""
+    heads, nope, rope, dv, r = 4, 8, 4, 6, 6
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(2, heads, seq, nope + rope, generator=gen)
+    latent = torch.randn(2, seq, r + rope, generator=gen)
+    w = torch.randn(heads * (nope + dv), r, generator=gen) * 0.3
+    dout = torch.randn(2, heads, seq, dv, generator=gen)
+
+    def expand(lat, weight):
+        c_kv, k_pe = lat.split([r, rope], dim=-1)
+        kv = (c_kv @ weight.T).unflatten(-1, (heads, nope + dv))
+        k_nope, v = kv.split([nope, dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    whole = [t.clone().requires_grad_() for t in (q, latent, w)]
+    ref = attention_reference(whole[0], *expand(whole[1], whole[2]), is_causal=True)
+    ref.backward(dout)
+    shard = ContextShard(cp, rank, group, "ring")
+    wq = w.clone().requires_grad_()
+    mine = [shard.shard(q, dim=2).requires_grad_(), shard.shard(latent, dim=1).requires_grad_()]
+    out = shard.latent_attention(mine[0], mine[1], lambda lat: expand(lat, wq), (wq,))
+    out.backward(shard.shard(dout, dim=2))
+    dw = wq.grad.clone()
+    dist.all_reduce(dw, group=group)
+    err = [rel(out, shard.shard(ref, dim=2)), rel(mine[0].grad, shard.shard(whole[0].grad, dim=2))]
+    err += [rel(mine[1].grad, shard.shard(whole[1].grad, dim=1)), rel(dw, whole[2].grad)]
+    worst = torch.tensor(max(err))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -67,6 +102,7 @@ def main() -> None:
                 worst = torch.tensor(max(err))
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 errors[f"{form}/{name}/seq{seq}"] = worst.item()
+        errors[f"ring/mla-latent/seq{seq}"] = latent_case(cp, rank, group, seq)
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(errors, f, indent=1)

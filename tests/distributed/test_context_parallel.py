@@ -59,6 +59,7 @@ REFERENCES = {
     "llama-fp8": {**LLAMA, "precision__fp8": "blockwise", "precision__fp8_high_precision": "wgrad"},
     "llama-fp8-all": {**LLAMA, "precision__fp8": "blockwise"},
     "deepseek": DEEPSEEK,
+    "llama-4-layers": {**LLAMA, "model__n_layers": 4},  # zb-v: 2 chunks on each of 2 ranks
 }
 # name: (world, reference, overrides); micro-batch sizes keep the global batch at 8 rows.
 LAYOUTS = {
@@ -71,6 +72,8 @@ LAYOUTS = {
     ),
     "cp2-ring-fp8-blockwise-all": (2, "llama-fp8-all", {"parallel__cp": 2}),
     "cp2-recompute-full": (2, "llama", {"parallel__cp": 2, "train__recompute": "full"}),
+    # the ring's collectives run again when the recomputed attention core replays
+    "cp2-recompute-core-attn": (2, "llama", {"parallel__cp": 2, "train__recompute": "core_attn"}),
     "ds-cp2-ring-ep2": (2, "deepseek", {"parallel__cp": 2, "parallel__ep": 2}),
     "ds-cp2-alltoall": (2, "deepseek", {"parallel__cp": 2, "parallel__cp_comm": "alltoall"}),
     "cp4-ring": (4, "llama", {"parallel__cp": 4}),
@@ -84,7 +87,24 @@ LAYOUTS = {
     "cp2-dp2-zero1": (4, "llama", {"parallel__cp": 2, "parallel__dp": 2, "parallel__zero": 1}),
     "cp2-dp2-fsdp2": (4, "llama", {"parallel__cp": 2, "parallel__dp": 2, "parallel__zero": 3}),
     "cp2-pp2": (4, "llama", {"parallel__cp": 2, "parallel__pp": 2}),
+    "cp2-pp2-dualpipe": (
+        4,
+        "llama",
+        {"parallel__cp": 2, "parallel__pp": 2, "parallel__pp_schedule": "dualpipe"},
+    ),
+    "cp2-pp2-zbv-alltoall": (
+        4,
+        "llama-4-layers",
+        {
+            "parallel__cp": 2,
+            "parallel__pp": 2,
+            "parallel__pp_schedule": "zb-v",
+            "parallel__cp_comm": "alltoall",
+        },
+    ),
     "ds-cp2-dp2-ep4": (4, "deepseek", {"parallel__cp": 2, "parallel__dp": 2, "parallel__ep": 4}),
+    # the latent ring's wkv_b column-parallel: its input gradient is summed over tp in there
+    "ds-cp2-tp2-ring": (4, "deepseek", {"parallel__cp": 2, "parallel__tp": 2}),
 }
 
 
@@ -121,7 +141,8 @@ def assert_same_training(reference: list[dict], other: list[dict], rel: float = 
 
 def test_attention_equals_whole_sequence(tmp_path):
     """Ring and all-to-all at cp 2 and 4: output and q, k, v gradients within 1e-5 of the
-    whole-sequence float32 attention, for chunks of 1 and 3 tokens."""
+    whole-sequence float32 attention, for chunks of 1 and 3 tokens; and MLA's ring that
+    passes the compressed latent, with its up-projection's gradient."""
     worker = Path(__file__).parent / "context_attention_worker.py"
     for cp in (2, 4):
         out = tmp_path / f"cp{cp}.json"
@@ -136,7 +157,8 @@ def test_attention_equals_whole_sequence(tmp_path):
         errors = json.loads(out.read_text())
         forms = {k.split("/")[0] for k in errors}
         shapes = {k.split("/")[1] for k in errors}
-        assert forms == {"ring", "alltoall"} and shapes == {"gqa", "gqa-1kv", "mla"}
+        assert forms == {"ring", "alltoall"}
+        assert shapes == {"gqa", "gqa-1kv", "mla", "mla-latent"}
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert not bad, bad
 
@@ -208,3 +230,33 @@ def test_checkpoint_moves_from_cp_to_other_layouts(trained, tiny_job_args, jobs_
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert (summary["steps"], summary["steps_this_run"]) == (5, 2)  # resumed at step 3
         assert_same_training(reference, read_metrics(tmp_path / name))
+
+
+@pytest.mark.parametrize("form", ["ring", "alltoall"])
+def test_activation_bytes_fall_as_one_over_cp(tiny_job_args, tmp_path, form):
+    """The tensors a training forward saves for backward, per rank, at sequence 2048: cp 2
+    and 4 hold 1/cp of one process's (within 2%; measured: exactly, for the ring), in both
+    forms (all-to-all saves the attention's whole-sequence inputs for heads / cp heads: the
+    same bytes, plus one tensor it cannot share)."""
+    worker = Path(__file__).parent / "context_memory_worker.py"
+    # 4 kv heads: all-to-all splits them over cp 4 without repeating them (with 2 it would
+    # repeat them up to the 4 query heads and hold twice the K/V bytes)
+    seq = {"data__seq_len": 2048, "model__max_seq_len": 2048, "model__n_kv_heads": 4}
+    measured = {}
+    for cp in (1, 2, 4):
+        out = tmp_path / f"cp{cp}.json"
+        args = tiny_job_args(tmp_path / f"run{cp}", **seq, train__micro_batch_size=1)
+        args += override_args(parallel__cp=cp, parallel__cp_comm=form)
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
+        cmd = [sys.executable, *(launcher if cp > 1 else []), str(worker), str(out), *args]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        measured[cp] = json.loads(out.read_text())
+    whole = measured[1][0]
+    assert whole > 10e6  # seq 2048: activations, not noise
+    for cp in (2, 4):
+        # All-to-all holds the attention output twice: heads-split, saved by SDPA for its
+        # backward, and sequence-split, wo's input (one process has one tensor for both).
+        twice = 0 if form == "ring" else 2 * 2048 // cp * 64 * 4  # layers x tokens x dim x fp32
+        for rank_bytes in measured[cp]:
+            assert rank_bytes == pytest.approx(whole / cp + twice, rel=0.02), (cp, measured)

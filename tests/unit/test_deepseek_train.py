@@ -137,7 +137,7 @@ def test_param_counts(name):
             "(qk_nope_head_dim + qk_rope_head_dim) (wq_b rows) = 192 splits into shards of 96",
         ),
         (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
-        (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp (2)"),
+        (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp x cp (2 x 1)"),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),
         (["--model.qk_norm", "true"], "model.qk_norm is built for model.family = 'llama'"),
     ],

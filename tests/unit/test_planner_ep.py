@@ -267,6 +267,11 @@ def _ep1_cases():
 # gradient copy that Megatron's FP32 main_grad buffer never makes (`Runtime.fp32_main_grads`).
 # lite-cp (dp4 x cp2, ZeRO-1) again when its gradients and optimizer came to span dp x cp
 # (`Strategy.dcp`), as Megatron's do.
+# lite-cp (step +2.0%, rank 1's peak +0.19%) when cp stopped being an all-gather hidden behind
+# attention: ring attention's exchanges, the last dK/dV exposed, and its buffers
+# (`costs.context_comm`, `memory.cp_buffer`).
+# lite-cp (step -1.05%, peaks -0.6%) when MLA's ring came to pass the compressed latent
+# instead of per-head K/V (fewer bytes sent and saved, wkv_b run once per ring step).
 EP1_BEFORE = {
     "ds-z1": (
         63.93066278783463,
@@ -315,11 +320,11 @@ EP1_BEFORE = {
     "lite-z0": (0.6721896146939338, 0.22301314664740957, [101773471639.7037] + [91826985827.55556]),
     "lite-z3": (1.5839839913553453, 0.3785571620287276, [157425391427.55554]),
     "lite-cp": (
-        0.3225929647385648,
-        0.232347164232319,
+        0.3256363548570079,
+        0.230175652811294,
         [
-            38579615851.851845,
-            40361673313.18518,
+            38342637675.851845,
+            40219591265.18518,
         ],
     ),
     "llama-z1": (

@@ -92,9 +92,16 @@ def sdpa_backends(
     return ok
 
 
-# Query rows per piece in the blockwise kernels below: bounds their transient float32
-# scores to (batch, heads, QUERY_ROWS, keys) whatever the block's length.
-QUERY_ROWS = 1024
+# Bytes of float32 scores per piece of query rows in the blockwise kernels below: their
+# transient memory stays near a few such pieces whatever the block's length (ring attention
+# at long sequences), at the cost of more, smaller matmuls.
+SCORE_BYTES = 32 * 2**20
+
+
+def _query_rows(q: torch.Tensor, t: int) -> int:
+    """Query rows per piece: the scores (batch, heads, rows, t) of one piece in SCORE_BYTES."""
+    b, h, s = q.shape[:3]
+    return max(16, min(s, SCORE_BYTES // max(1, b * h * t * 4)))
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -127,9 +134,9 @@ def attention_block(
         qg, _ = _grouped(q.float(), k)
         kf, vf = k.float(), v.float()
         scale = 1.0 / math.sqrt(q.shape[-1])
-        outs, lses = [], []
-        for r0 in range(0, q.shape[2], QUERY_ROWS):
-            s = _scores(qg[..., r0 : r0 + QUERY_ROWS, :], kf, scale, causal, r0)
+        outs, lses, rows = [], [], _query_rows(q, k.shape[2])
+        for r0 in range(0, q.shape[2], rows):
+            s = _scores(qg[..., r0 : r0 + rows, :], kf, scale, causal, r0)
             lse = torch.logsumexp(s, dim=-1)  # (b, hk, g, rows)
             outs.append(torch.exp(s - lse[..., None]) @ vf[:, :, None])
             lses.append(lse)
@@ -157,8 +164,9 @@ def attention_block_backward(
         lse_g, delta_g = lse.unflatten(1, (k.shape[1], g)), delta.unflatten(1, (k.shape[1], g))
         scale = 1.0 / math.sqrt(q.shape[-1])
         dk, dv, dqs = torch.zeros_like(kf), torch.zeros_like(vf), []
-        for r0 in range(0, q.shape[2], QUERY_ROWS):
-            rows = slice(r0, r0 + QUERY_ROWS)
+        step = _query_rows(q, k.shape[2])
+        for r0 in range(0, q.shape[2], step):
+            rows = slice(r0, r0 + step)
             qr, dor = qg[..., rows, :], dog[..., rows, :]
             p = torch.exp(_scores(qr, kf, scale, causal, r0) - lse_g[..., rows, None])
             dv += (p.transpose(-2, -1) @ dor).sum(2)  # over the query heads of each kv head

@@ -182,15 +182,36 @@ class MLA(nn.Module):
         k_pe as the slice of wkv_a's output that is kept anyway."""
         q = ops.rope(self._queries(q_in), cos, sin, self.ops.rope)  # rotates the trailing q_pe
         k_pe = ops.rope(k_pe[:, :, None], cos, sin, self.ops.rope)  # (b, s, 1, rope)
-        kv = self.wkv_b(c_kv).unflatten(-1, (-1, self.nope + self.v_dim))  # (b, s, heads, nope + v)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         # SDPA wants (b, heads, s, d); its default scale is (nope + rope)^-½, so the YaRN
         # correction is folded into the queries.
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q = q.transpose(1, 2)
+        context = self.core_attention.context
+        if context is not None and context.comm == "ring" and not self._wkv_b_fp8():
+            # The ring passes the compressed latent, not per-head K/V (context_parallel).
+            latent = torch.cat([c_kv, k_pe[:, :, 0]], dim=-1)  # (b, s, kv_rank + rope)
+            out = context.latent_attention(q, latent, self._expand_latent, (self.wkv_b.weight,))
+        else:
+            out = self.core_attention(q, *self._expand(c_kv, k_pe[:, :, 0]))
         return out.transpose(1, 2).flatten(2)
+
+    def _expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_expand` of a ring block [c_kv ‖ rotated k_pe] (b, s, kv_rank + rope)."""
+        return self._expand(*latent.split([self.kv_rank, self.rope_dim], dim=-1))
+
+    def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c_kv (b, s, kv_rank) and the rotated k_pe (b, s, rope) -> K (b, heads, s, nope + rope)
+        and V (b, heads, s, v_head_dim): wkv_b's up-projection, one k_pe for all heads."""
+        kv = self.wkv_b(c_kv).unflatten(-1, (-1, self.nope + self.v_dim))  # (b, s, heads, nope + v)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _wkv_b_fp8(self) -> bool:
+        """wkv_b runs in FP8: the latent ring would call it cp times per pass, each recording
+        its amaxes, so that ring passes per-head K/V instead."""
+        return any(hasattr(m, "fp8_amax_history") for m in self.wkv_b.modules())
 
     def _absorbed(
         self,

@@ -160,10 +160,11 @@ def prepare_data(overrides: list[str]) -> int:
 def worker(out_path: Path, overrides: list[str]) -> None:
     """One rank of one layout: `Trainer(cfg).run()` as `hyperloom train` does, plus a probe
     after each optimizer step (state bytes, peak RSS). Rank 0 writes every rank's numbers."""
+    import torch
     import torch.distributed as dist
 
     from hyperloom.config import load_config
-    from hyperloom.parallel.footprint import local_state_bytes
+    from hyperloom.parallel.footprint import local_state_bytes, saved_activations
     from hyperloom.parallel.zero1 import ZeroOneAdamW
     from hyperloom.train.trainer import Trainer
 
@@ -194,6 +195,18 @@ def worker(out_path: Path, overrides: list[str]) -> None:
         return out
 
     optimizer.step = probed_step  # instance attribute: the trainer calls self.optimizer.step()
+    if not trainer.pm.pipelined:  # the first training forward: what it saves for backward
+        forward = trainer.fwd
+
+        def counted_forward(*a: Any, **kw: Any) -> Any:
+            if not torch.is_grad_enabled() or "saved_activation_bytes" in mine:
+                return forward(*a, **kw)
+            with saved_activations(trainer.model) as seen:
+                out = forward(*a, **kw)
+            mine["saved_activation_bytes"] = sum(seen.values())
+            return out
+
+        trainer.fwd = counted_forward
     summary = trainer.run().summary
     mine["end_peak_rss_bytes"] = machine.peak_rss_bytes()
     ranks = [mine]
@@ -286,6 +299,8 @@ def read_run(run_dir: Path, out: Path, warmup: int) -> dict[str, Any]:
         ],
         "end_peak_rss_gb_per_rank": [r["end_peak_rss_bytes"] / GB for r in ranks],
         "state_mb_per_rank": [r["state_bytes"]["total"] / MB for r in ranks],
+        # what the first training forward saved for backward (parameters left out)
+        "saved_activation_gb_per_rank": [r.get("saved_activation_bytes", 0) / GB for r in ranks],
         "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
         "other_cpu_cores_steps": steps_other_load(ranks, warmup),
         "trainer_summary": {
@@ -441,7 +456,9 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
     table.add_column("layout")
     for col in ("procs", "threads/proc", "tokens/s", "vs single", "peak RSS GB/rank"):
         table.add_column(col, justify="right")
-    for col in ("activations GB/rank", "state MB/rank", "loss max rel diff", "other load"):
+    for col in ("saved act GB/rank", "RSS act GB/rank", "state MB/rank"):
+        table.add_column(col, justify="right")
+    for col in ("loss max rel diff", "other load"):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
@@ -457,6 +474,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
             f"{tps:,.0f}",
             f"{tps / ref_tps:.2f}x" if ref_tps else "-",
             _per_rank(r["peak_rss_gb_per_rank"], ".2f"),
+            _per_rank(r["saved_activation_gb_per_rank"], ".3f"),
             _per_rank(r["activation_gb_per_rank"], ".2f"),
             _per_rank(r["state_mb_per_rank"], ".0f"),
             "ref" if r is single else ("-" if diff is None else f"{diff:.1e}"),
@@ -467,7 +485,8 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace, cores: 
     console.print(
         f"tokens/s: median of steps {args.warmup + 1}..{args.steps}; peak RSS: each process's "
         "high-water mark at its last optimizer step (interpreter, torch and data included); "
-        "activations: that peak less the one after set-up, less gradients and moments; "
+        "saved act: bytes the first training forward saved for backward (parameters left out); "
+        "RSS act: the peak less the one after set-up, less gradients and moments; "
         "state: params + grads + Adam moments (+ ZeRO-1 master slice) held by the rank; loss "
         "diff: vs single, per step; other load: CPU other processes used during the timed steps "
         "(! = contended)"

@@ -1,5 +1,5 @@
 """The planner against measurements on this machine: predicted vs measured step time and
-peak memory for tp / pp / dp / schedule mixes of the default model on 1-4 processes.
+peak memory for tp / pp / dp / cp / schedule mixes of the default model on 1-4 processes.
 
 Each configuration is a real `hyperloom train --nproc N` run whose self-check
 (`hyperloom.planner.selfcheck`) puts the planner's prediction, made with one profile of this
@@ -43,6 +43,9 @@ CONFIGS: list[tuple[str, int, list[str]]] = [
     ("pp2-dualpipe", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "dualpipe", "--train.micro_batch_size", "2", "--parallel.microbatches", "4"]),
     ("tp2-dp2", 4, ["--parallel.tp", "2", "--parallel.dp", "2", "--train.micro_batch_size", "4"]),
     ("pp2-dp2", 4, ["--parallel.pp", "2", "--parallel.dp", "2", "--train.micro_batch_size", "2", "--parallel.microbatches", "2"]),
+    ("cp2-ring", 2, ["--parallel.cp", "2", "--train.micro_batch_size", "8"]),
+    ("cp2-alltoall", 2, ["--parallel.cp", "2", "--parallel.cp_comm", "alltoall", "--train.micro_batch_size", "8"]),
+    ("cp2-dp2", 4, ["--parallel.cp", "2", "--parallel.dp", "2", "--train.micro_batch_size", "4"]),
 ]  # fmt: skip
 
 

@@ -243,7 +243,6 @@ class RingAttention(torch.autograd.Function):
         q, block, out, lse, *weights = ctx.saved_tensors
         shard, expand, s = ctx.shard, ctx.expand, q.shape[2]
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1)  # (b, hq, s)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dw = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
         held = block
@@ -256,8 +255,8 @@ class RingAttention(torch.autograd.Function):
                 leaf = held.detach().requires_grad_()
                 k, v = expand(leaf[:, keys])
             dq_b, dk_b, dv_b = attention_block_backward(
-                q[:, :, rows], k.detach(), v.detach(), dout[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], causal,
+                q[:, :, rows], k.detach(), v.detach(), out[:, :, rows], dout[:, :, rows],
+                lse[:, :, rows], causal,
             )  # fmt: skip
             dq[:, :, rows] += dq_b
             found = torch.autograd.grad(

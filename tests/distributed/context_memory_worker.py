@@ -14,27 +14,18 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 from hyperloom.config import load_config
+from hyperloom.parallel.footprint import saved_activations
 from hyperloom.parallel.mesh import exit_worker
 from hyperloom.train.trainer import Trainer
 
 
 def saved_activation_bytes(trainer: Trainer) -> int:
-    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     inputs, labels = trainer._local_batch()
     trainer.pm.module.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_activations(trainer.model) as seen:
         loss = trainer.fwd(inputs, labels=labels)
     loss.backward()  # the ring's collectives in backward run on every rank alike
     return sum(seen.values())

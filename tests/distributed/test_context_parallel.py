@@ -199,6 +199,12 @@ def test_layout_equals_single_process(trained, name):
     assert_same_training(read_metrics(out / "ref" / ref), got, TOLERANCE.get(name, 1e-5))
     summary = json.loads((out / f"w{world}" / name / "summary.json").read_text())
     assert "cp(" in summary["layout"] and summary["layout"].endswith(f"= {world}")
+    # validation: each cp rank evaluates its part of every sequence, the mean taken over cp
+    # (at dp 1, where the validation batches are one process's: they have a rank's rows)
+    if LAYOUTS[name][2].get("parallel__dp", 1) == 1:
+        ref_summary = json.loads((out / "ref" / ref / "summary.json").read_text())
+        a, b = ref_summary["final_val_loss"], summary["final_val_loss"]
+        assert abs(a - b) <= TOLERANCE.get(name, 1e-5) * abs(a), f"final val loss: {a} vs {b}"
 
 
 def test_checkpoint_moves_from_cp_to_other_layouts(trained, tiny_job_args, jobs_train, tmp_path):

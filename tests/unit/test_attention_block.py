@@ -16,10 +16,15 @@ block = importlib.import_module("hyperloom.engine.ops.attention")
     [(4, 2, 8, 8, 37, 37, True), (4, 1, 8, 8, 20, 33, False), (4, 4, 12, 8, 40, 40, True)],
 )
 @pytest.mark.parametrize("score_bytes", [block.SCORE_BYTES, 16 * 40 * 4 * 8])
-def test_block_equals_reference(hq, hk, d, dv, s, t, causal, score_bytes, monkeypatch):
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_block_equals_reference(hq, hk, d, dv, s, t, causal, score_bytes, cpu_kernel, monkeypatch):
     """Output, lse and gradients against the float32 reference (GQA, one kv head, MLA's
-    narrower v), whole and in pieces of query rows."""
+    narrower v), through the CPU kernel where it applies and the math whole and in pieces of
+    query rows."""
     monkeypatch.setattr(block, "SCORE_BYTES", score_bytes)
+    assert block._cpu_flash(*(torch.empty(1, 1, 1, n) for n in (d, d, dv))) == (d == dv)
+    if not cpu_kernel:
+        monkeypatch.setattr(block, "_cpu_flash", lambda *a: False)
     gen = torch.Generator().manual_seed(s + t)
     q, k = torch.randn(2, hq, s, d, generator=gen), torch.randn(2, hk, t, d, generator=gen)
     v = torch.randn(2, hk, t, dv, generator=gen)
@@ -33,7 +38,7 @@ def test_block_equals_reference(hq, hk, d, dv, s, t, causal, score_bytes, monkey
     if causal:
         scores = scores.masked_fill(torch.ones(s, t, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
-    grads = block.attention_block_backward(q, k, v, dout, lse, (dout * out).sum(-1), causal)
+    grads = block.attention_block_backward(q, k, v, out, dout, lse, causal)
     for got, want in zip(grads, ref_in, strict=True):
         torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-5)
 
@@ -52,9 +57,8 @@ def test_two_blocks_merge_to_the_whole():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     dout = torch.randn(ref.shape, generator=gen)
     ref.backward(dout)
-    delta = (dout * out).sum(-1)
-    ga = block.attention_block_backward(q, k[:, :, :5], v[:, :, :5], dout, lse, delta, False)
-    gb = block.attention_block_backward(q, k[:, :, 5:], v[:, :, 5:], dout, lse, delta, False)
+    ga = block.attention_block_backward(q, k[:, :, :5], v[:, :, :5], out, dout, lse, False)
+    gb = block.attention_block_backward(q, k[:, :, 5:], v[:, :, 5:], out, dout, lse, False)
     torch.testing.assert_close(ga[0] + gb[0], ref_in[0].grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([ga[1], gb[1]], 2), ref_in[1].grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([ga[2], gb[2]], 2), ref_in[2].grad, rtol=1e-5, atol=1e-5)

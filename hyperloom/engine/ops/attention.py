@@ -122,6 +122,19 @@ def _scores(qg: torch.Tensor, kf: torch.Tensor, scale: float, causal: bool, row0
     return s
 
 
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether PyTorch's tiled CPU attention kernel takes these inputs: it returns the
+    log-sum-exp and its backward accepts the merged one (grouped-query heads included), but
+    wants one head size for q, k and v and one dtype, FP32 or BF16. Elsewhere (other devices,
+    MLA's narrower v) the blocks run in the float32 math below."""
+    return (
+        q.device.type == "cpu"
+        and q.shape[-1] == v.shape[-1]
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
 def attention_block(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +142,11 @@ def attention_block(
     k (b, hk, t, d), v (b, hk, t, dv) with hq a multiple of hk; lse (b, hq, s) is the log of
     each row's softmax denominator, which merges blocks exactly (online softmax, Milakov &
     Gimelshein arXiv 1805.02867). Scale 1/√d, SDPA's default; `causal` aligns query i with
-    key i. Ring attention's building block; SDPA returns no lse, so this is written out."""
+    key i. Ring attention's building block: SDPA's public call returns no lse, so this runs
+    the CPU kernel behind it where it can (`_cpu_flash`), else the math written out here."""
+    if _cpu_flash(q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out.float(), lse
     with autocast_off(q.device):
         qg, _ = _grouped(q.float(), k)
         kf, vf = k.float(), v.float()
@@ -148,19 +165,25 @@ def attention_block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
     dout: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), float32, of one block's share of an attention whose rows have
-    the final logsumexp `lse` (b, hq, s) and delta = rowsum(dout * out) (b, hq, s), out being
-    the merged output over every block: with P = exp(S - lse), dV = Pᵀ dO, dS = P (dO Vᵀ - delta),
-    dQ = dS K / √d, dK = dSᵀ Q / √d (FlashAttention-2's backward, Dao arXiv 2307.08691 §3.1)."""
+    the merged output `out` (b, hq, s, dv) and log-sum-exp `lse` (b, hq, s) over every block:
+    with P = exp(S - lse) and delta = rowsum(dO * out), dV = Pᵀ dO, dS = P (dO Vᵀ - delta),
+    dQ = dS K / √d, dK = dSᵀ Q / √d (FlashAttention-2's backward, Dao arXiv 2307.08691 §3.1).
+    `out` and `dout` in q's dtype for the CPU kernel (`_cpu_flash`)."""
+    if _cpu_flash(q, k, v):
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grads = kernel(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal)
+        return tuple(g.float() for g in grads)
     with autocast_off(q.device):
         qg, g = _grouped(q.float(), k)
         kf, vf = k.float(), v.float()
         dog, _ = _grouped(dout.float(), k)
+        delta = (dout.float() * out.float()).sum(-1)
         lse_g, delta_g = lse.unflatten(1, (k.shape[1], g)), delta.unflatten(1, (k.shape[1], g))
         scale = 1.0 / math.sqrt(q.shape[-1])
         dk, dv, dqs = torch.zeros_like(kf), torch.zeros_like(vf), []

@@ -314,6 +314,11 @@ def read_run(run_dir: Path, out: Path, warmup: int) -> dict[str, Any]:
                 "final_train_loss",
                 "final_val_loss",
                 "tokens_seen",
+                # the planner's self-check beside the measured step and peak (rank 0)
+                "predicted_step_s",
+                "measured_step_s",
+                "predicted_peak_memory_gb",
+                "measured_peak_memory_gb",
             )
         },
     }

@@ -16,8 +16,10 @@ reduce over dp x cp (`ParallelMesh`'s "dcp" group), as Megatron's does.
   the load balance, block j < i is seen in full by both local chunks' queries for half its
   keys, block j > i by the second chunk only, so every step after the first is half a block.
   The backward passes K/V around again with their float32 gradient accumulators, which come
-  home after cp hops. Written here (not torch's experimental `context_parallel`) for control:
-  grouped-query and MLA's unequal head widths without copies, any device, FP32 merging.
+  home after cp hops. Blocks run PyTorch's tiled CPU attention kernel where it applies, else
+  float32 math (`engine.ops.attention.attention_block`). Written here, not torch's
+  experimental `context_parallel`, for control: grouped-query heads without repeating K/V,
+  MLA's unequal head widths and its compressed latent as what travels, FP32 merging.
 - all-to-all (DeepSpeed-Ulysses, Jacobs et al. arXiv 2309.14509): q, k, v are exchanged from
   (all heads, local sequence) to (heads / cp, whole sequence), the model's own attention runs
   on the whole sequence (dropout included), and the output goes back: four all-to-alls per

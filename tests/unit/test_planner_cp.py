@@ -11,7 +11,7 @@ import json
 import pytest
 from rich.console import Console
 
-from hyperloom.config import ModelConfig
+from hyperloom.config import ModelConfig, preset_config
 from hyperloom.planner import Cluster, ModelSpec, PlanError, SearchSpace, search
 from hyperloom.planner.cli import add_plan_parser, load_job, parse_fix
 from hyperloom.planner.collectives import all_to_all_time, collective_time
@@ -246,3 +246,32 @@ def test_cli_predict_takes_the_jobs_cp_comm_or_the_flag(tmp_path):
     ring = plan("--cp-comm", "ring")
     assert ring["strategy"]["cp_comm"] == "ring" and "a2a" not in ring["label"]
     assert ring["breakdown_s"]["cp_comm"] > 0
+
+
+def test_mla_ring_passes_the_compressed_latent_unless_wkv_b_is_fp8():
+    """DeepSeek's ring sends [c_kv ‖ k_pe] per token (whole on every tp rank) and saves it
+    in place of per-head K and V, expanding with wkv_b once per ring step; with wkv_b in FP8
+    (or under all-to-all) K and V travel per head, as `models.deepseek.mla` does."""
+    spec = ModelSpec.from_model_config(preset_config("deepseek-v3"), "deepseek-v3")
+    latent = spec.kv_lora_rank + spec.qk_rope_head_dim  # 576
+    per_head = spec.n_heads * (spec.qk_head_dim + spec.v_head_dim) / 8  # tp 8
+    args = (spec, 1, 4096, 8, 4, False, True, 1)
+    ring = build_layer(*args, latent_ring=True)
+    plain = build_layer(*args)
+    tokens = 4096 / 4
+    assert ring.cp_kv == tokens * latent and plain.cp_kv == tokens * per_head
+    assert ring.cp_kv < plain.cp_kv / 8  # 576 values against 128 / 8 heads x (192 + 128)
+    names = {x.name for x in ring.saved}
+    assert (
+        "latent" in names and not {"k", "v"} & names and {"k", "v"} <= {x.name for x in plain.saved}
+    )
+    wkv_b = {g.name: g.count for g in ring.gemms}["wkv_b"]
+    assert wkv_b == 4 and {g.name: g.count for g in plain.gemms}["wkv_b"] == 1
+    # the simulator chooses it: ring without FP8 only
+    cluster = Cluster.of("h100", 64)
+    base = Strategy(tp=8, pp=1, dp=2, cp=4, zero=1, mbs=1, microbatches=1)
+    sent = {
+        fp8: predict(spec, cluster, dataclasses.replace(base, fp8=fp8), 4096, RT)
+        for fp8 in (False, True)
+    }
+    assert sent[False].breakdown["cp_comm"] < sent[True].breakdown["cp_comm"]

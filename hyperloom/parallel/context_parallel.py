@@ -111,6 +111,13 @@ class ContextShard:
         dist.all_reduce(total, group=self.group)
         return loss * (counts * self.cp / total.clamp(min=1)).squeeze(0)
 
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's part of (b, local_seq, ...) as the whole sequence in natural order,
+        differentiable: the backward sums each part's gradient over the ranks (reduce-scatter),
+        right for a whole-sequence loss every cp rank computes alike (MTP, below)."""
+        whole = _GatherSequence.apply(x, self)  # rank-major
+        return whole.index_select(1, self.order(x.shape[1], x.device))
+
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a replicated-shape value over the cp ranks (a collective)."""
         value = value.detach().clone()
@@ -148,8 +155,13 @@ def context_shard(mesh, comm: str) -> ContextShard | None:
 
 def apply_context_parallel(model: nn.Module, shard: ContextShard) -> int:
     """Point every module's `context` hook (attention cores and their RoPE, MoE balance
-    losses, the model's loss) at `shard`; returns how many modules it reached."""
-    hooked = [m for m in model.modules() if hasattr(m, "context")]
+    losses, the model's loss) at `shard`; returns how many modules it reached. Submodules
+    the model names in `whole_sequence_modules` keep None: it runs them on whole sequences
+    (DeepSeek's MTP, which reads token i + k)."""
+    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
+    hooked = [
+        m for n, m in model.named_modules() if hasattr(m, "context") and not n.startswith(whole)
+    ]
     for m in hooked:
         m.context = shard
     return len(hooked)
@@ -278,6 +290,25 @@ class RingAttention(torch.autograd.Function):
         _wait(grad_works)  # after cp hops each block's gradient is back with its owner
         dw = [g.to(w.dtype) for g, w in zip(dw, weights, strict=True)]
         return dq.to(q.dtype), grads.to(block.dtype), None, None, *dw
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 1 (rank-major); backward: the gradient summed over the ranks,
+    this rank's part kept. (torch.distributed.nn's all_gather falls back to a scatter
+    from global rank 0 on gloo, wrong for a group without it.)"""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard, ctx.local = shard, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(shard.cp)]
+        dist.all_gather(parts, x.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.shard.group)
+        return grad.narrow(1, ctx.shard.rank * ctx.local, ctx.local), None
 
 
 # ---------------------------------------------------------------------- all-to-all

@@ -150,12 +150,15 @@ def chunk_activation_extras(
     if first and spec.dropout:
         out += x_sp
     if last:  # and per MTP depth its own head input and logits
-        a = act_width
-        if fused_ce:
-            head = a * x_sp + 4.0 * tokens * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
-        else:
-            head = a * x_sp + a * x_sp + 4.0 * tokens * spec.vocab_size / s.tp
-        out += head * (1 + spec.mtp_depth)
+
+        def head(n: float) -> float:  # one head's, for n tokens on this rank
+            x = n * spec.dim / (s.tp if sp else 1)
+            if fused_ce:
+                return act_width * x + 4.0 * n * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
+            return 2 * act_width * x + 4.0 * n * spec.vocab_size / s.tp
+
+        # MTP runs on whole sequences on each cp rank (models.deepseek)
+        out += head(tokens) + spec.mtp_depth * head(tokens * s.cp)
     return out
 
 
@@ -273,7 +276,7 @@ def rank_memory(
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
     p, g, o = states(params, s, rt, expert)
     unit = max(
-        (layers[c] + (spec.mtp_depth if c == last else 0)) * lm.saved
+        (layers[c] + (spec.mtp_depth * s.cp if c == last else 0)) * lm.saved
         + chunk_activation_extras(
             spec, s, seq, c == 0, c == last, rt.fused_cross_entropy, rt.act_width
         )
@@ -338,7 +341,7 @@ def rank_memory(
     # the backward's working set and the per-micro-batch weight casts. Measured: resident
     # minus live bytes is 0.80 GB without recompute and 0.95 GB under full recompute (the
     # default model, 4 x 2048 tokens, fp32; benchmarks/planner_memory_probe.py).
-    blocks = max(layers[c] + (spec.mtp_depth if c == last else 0) for c in chunks)
+    blocks = max(layers[c] + (spec.mtp_depth * s.cp if c == last else 0) for c in chunks)
     churned = activations + in_flight * blocks * (lm.allocated - lm.saved)
     churned += transient + buffers
     extra = (factor - 1.0) * live.live + fixed + churn * churned

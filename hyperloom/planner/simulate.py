@@ -179,7 +179,16 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     emb = embedding_phase(spec, key, seq, acc, links, rt)
     head = head_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
-        head = head.scaled(1 + spec.mtp_depth) + one.scaled(spec.mtp_depth)
+        mtp_one, mtp_head = one, head
+        if key.cp > 1:  # every cp rank runs them on whole sequences (models.deepseek)
+            whole = dataclasses.replace(key, cp=1)
+            mtp_layer = build_layer(
+                spec, key.mbs, seq, key.tp, 1, key.sp, rt.sharded_save, key.ep,
+                rt.autocast_per_op, rt.act_width,
+            )  # fmt: skip
+            mtp_one = layer_phase(mtp_layer, spec, whole, acc, links, rt)
+            mtp_head = head_phase(spec, whole, seq, acc, links, rt)
+        head = head + (mtp_head + mtp_one).scaled(spec.mtp_depth)
     fp8_saved = key.fp8 and rt.fp8_saved_inputs
     lm = LayerMemory.of(
         layer,

@@ -60,6 +60,7 @@ REFERENCES = {
     "llama-fp8-all": {**LLAMA, "precision__fp8": "blockwise"},
     "deepseek": DEEPSEEK,
     "llama-4-layers": {**LLAMA, "model__n_layers": 4},  # zb-v: 2 chunks on each of 2 ranks
+    "deepseek-mtp": {**DEEPSEEK, "model__mtp_depth": 2},
 }
 # name: (world, reference, overrides); micro-batch sizes keep the global batch at 8 rows.
 LAYOUTS = {
@@ -103,6 +104,14 @@ LAYOUTS = {
         },
     ),
     "ds-cp2-dp2-ep4": (4, "deepseek", {"parallel__cp": 2, "parallel__dp": 2, "parallel__ep": 4}),
+    # MTP on whole sequences gathered over cp (its MoE blocks' loads counted on each cp rank)
+    "ds-mtp-cp2-ring": (2, "deepseek-mtp", {"parallel__cp": 2}),
+    "ds-mtp-cp2-dp2-ep4": (
+        4,
+        "deepseek-mtp",
+        {"parallel__cp": 2, "parallel__dp": 2, "parallel__ep": 4, "parallel__cp_comm": "alltoall"},
+    ),
+    "ds-mtp-cp2-pp2": (4, "deepseek-mtp", {"parallel__cp": 2, "parallel__pp": 2}),
     # the latent ring's wkv_b column-parallel: its input gradient is summed over tp in there
     "ds-cp2-tp2-ring": (4, "deepseek", {"parallel__cp": 2, "parallel__tp": 2}),
 }

@@ -275,3 +275,21 @@ def test_mla_ring_passes_the_compressed_latent_unless_wkv_b_is_fp8():
         for fp8 in (False, True)
     }
     assert sent[False].breakdown["cp_comm"] < sent[True].breakdown["cp_comm"]
+
+
+def test_mtp_runs_on_whole_sequences_under_cp():
+    """Every cp rank runs DeepSeek's MTP modules on the whole sequences (gathered), so what
+    MTP adds to a cp 2 rank's step time and memory is what it adds to one process with the
+    same sequences, not half of it."""
+    with_mtp = ModelSpec.from_model_config(preset_config("moe-tiny"), "moe-tiny")
+    assert with_mtp.mtp_depth > 0
+    cfg = dataclasses.replace(preset_config("moe-tiny"), mtp_depth=0)
+    without = ModelSpec.from_model_config(cfg, "moe-tiny")
+    added = {}
+    for cp in (1, 2):
+        s = Strategy(tp=1, pp=1, dp=1, cp=cp, zero=0, mbs=2, microbatches=1)
+        cluster = Cluster.of("h100", cp)
+        a, b = (predict(spec, cluster, s, 4096, RT) for spec in (with_mtp, without))
+        added[cp] = (a.step_time - b.step_time, a.memory[0].peak - b.memory[0].peak)
+    for i in (0, 1):
+        assert added[2][i] == pytest.approx(added[1][i], rel=0.1), added

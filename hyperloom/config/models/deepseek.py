@@ -86,12 +86,6 @@ def deepseek_problems(job: JobConfig) -> list[str]:
             "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "
             "biases that balancing updates in place; not built yet, use zero 0 or 1"
         )
-    if par.cp > 1 and m.mtp_depth > 0:
-        out.append(
-            f"model.mtp_depth = {m.mtp_depth} with parallel.cp = {par.cp} is not built yet: "
-            f"multi-token prediction reads token i + k, which another context-parallel rank "
-            f"holds near a chunk's end; use model.mtp_depth = 0 or parallel.cp = 1"
-        )
     if m.qk_norm:
         out.append(
             "model.qk_norm is built for model.family = 'llama'; MLA (family 'deepseek') "

@@ -95,6 +95,8 @@ class DeepSeekV3(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ops = OpImpls()
         self.context = None  # context parallelism: weights the loss over the cp ranks
+        # ... whose slot leaves the MTP modules on whole sequences (`_mtp_loss`)
+        self.whole_sequence_modules = ("mtp",)
         self.expert_load: dict[str, float] = {}  # layer -> max/mean load of the last step
 
     use_ops = Llama.use_ops  # select the operator implementations of every module
@@ -180,6 +182,11 @@ class DeepSeekV3(nn.Module):
         The input tokens t_{i+k} are read from the labels (label i is token i + 1), so the
         MTP modules need no token ids: on the last pipeline stage they only have the labels.
         """
+        if self.context is not None:
+            # Context parallelism: token i + k may sit on another rank, so every cp rank runs
+            # the MTP modules on the whole sequences, gathered (their loss is then the same on
+            # each, and the gather's backward sums h's gradient over the ranks).
+            h, labels = self.context.gather_sequence(h), self.context.gather_sequence(labels)
         seq, depth = labels.shape[1], len(self.mtp)
         losses = []
         for k, module in enumerate(self.mtp.values(), start=1):

@@ -56,6 +56,7 @@ class ContextShard:
         self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
         self._rope_key, self._rope_rows = None, None
+        self._orders: dict[tuple, torch.Tensor] = {}
 
     def __deepcopy__(self, memo):  # model copies (DualPipe's two chunks) share the group
         return self
@@ -80,16 +81,21 @@ class ContextShard:
         first, second = self.chunks()
         return torch.cat([pieces[first], pieces[second]], dim=dim)
 
-    def order(self, local_seq: int, device=None) -> torch.Tensor:
+    def order(self, local_seq: int, device=None, inverse: bool = False) -> torch.Tensor:
         """Index that puts the rank-major concatenation of every rank's local sequence
-        (what an all-gather over cp yields) into natural order."""
-        c = local_seq // 2
-        where = torch.empty(2 * self.cp, dtype=torch.long)
-        for r in range(self.cp):
-            a, b = self.chunks(r)
-            where[a], where[b] = 2 * r, 2 * r + 1
-        idx = torch.arange(c)
-        return torch.cat([where[j] * c + idx for j in range(2 * self.cp)]).to(device)
+        (what an all-gather over cp yields) into natural order, or with `inverse` natural
+        order back into rank-major; made once per length and device (every layer asks)."""
+        key = (local_seq, str(device), inverse)
+        if key not in self._orders:
+            c = local_seq // 2
+            where = torch.empty(2 * self.cp, dtype=torch.long)
+            for r in range(self.cp):
+                a, b = self.chunks(r)
+                where[a], where[b] = 2 * r, 2 * r + 1
+            idx = torch.arange(c)
+            index = torch.cat([where[j] * c + idx for j in range(2 * self.cp)])
+            self._orders[key] = (torch.argsort(index) if inverse else index).to(device)
+        return self._orders[key]
 
     def rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, seq: int):
         """The RoPE table rows of this rank's `seq` local positions; gathered once for all
@@ -334,35 +340,28 @@ def _seq_to_heads(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
 def _heads_to_seq(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """The inverse of `_seq_to_heads`: (b, h / cp, S, d) -> (b, h, S / cp, d)."""
     cp, s = shard.cp, x.shape[2] // shard.cp
-    back = torch.argsort(shard.order(s, x.device))
-    major = x.index_select(2, back).unflatten(2, (cp, s)).movedim(2, 0)  # (cp, b, h/cp, s, d)
+    major = (
+        x.index_select(2, shard.order(s, x.device, inverse=True))
+        .unflatten(2, (cp, s))
+        .movedim(2, 0)
+    )  # (cp, b, h/cp, s, d)
     got = _all_to_all(major, shard.group)  # (cp, b, h/cp, s, d): head group j, my sequence
     # laid out (b, s, h, d), as SDPA's output is, so the caller's (b, s, h * d) is a view
     return got.permute(1, 3, 0, 2, 4).flatten(2, 3).transpose(1, 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """A permutation across ranks: its gradient is the inverse permutation."""
+class _Permutation(torch.autograd.Function):
+    """An exchange that permutes elements across ranks (`fn`): its gradient is the inverse
+    permutation (`inverse`)."""
 
     @staticmethod
-    def forward(ctx, x, shard):
-        ctx.shard = shard
-        return _seq_to_heads(x, shard)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g, ctx.shard), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, shard):
-        ctx.shard = shard
-        return _heads_to_seq(x, shard)
+    def forward(ctx, x, shard, fn, inverse):
+        ctx.shard, ctx.inverse = shard, inverse
+        return fn(x, shard)
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_heads(g, ctx.shard), None
+        return ctx.inverse(g, ctx.shard), None, None, None
 
 
 def ulysses_attention(q, k, v, shard: ContextShard, core) -> torch.Tensor:
@@ -370,5 +369,5 @@ def ulysses_attention(q, k, v, shard: ContextShard, core) -> torch.Tensor:
     if k.shape[1] % shard.cp:  # too few kv heads to split: give each query head its own
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q, k, v = (_SeqToHeads.apply(t, shard) for t in (q, k, v))
-    return _HeadsToSeq.apply(core(q, k, v), shard)
+    q, k, v = (_Permutation.apply(t, shard, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
+    return _Permutation.apply(core(q, k, v), shard, _heads_to_seq, _seq_to_heads)

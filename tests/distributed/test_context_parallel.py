@@ -20,19 +20,11 @@ from pathlib import Path
 
 import pytest
 from conftest import override_args
+from test_parallel_layouts import MODEL as LAYOUT_MODEL
 
-STEPS = 5
 GLOBAL_BATCH = 8
-LLAMA = {  # heads divide by tp x cp = 4; the sequence by 2 x cp x tp = 16
-    "model__dim": 64,
-    "model__n_heads": 8,
-    "model__n_kv_heads": 4,
-    "model__ffn_dim": 128,
-    "data__seq_len": 32,
-    "train__steps": STEPS,
-    "train__warmup_steps": 2,
-    "train__eval_batches": 2,
-}
+# test_parallel_layouts' model: heads divide by tp x cp = 4, the sequence by 2 x cp x tp = 16
+LLAMA = dict(LAYOUT_MODEL)
 DEEPSEEK = {  # a small MoE with MLA (low-rank queries) and the sequence-wise balance loss
     **LLAMA,
     "model__family": "deepseek",

@@ -29,6 +29,7 @@ from hyperloom.config.logging import LoggingConfig
 from hyperloom.config.model import ModelConfig, preset_config, preset_names, preset_values
 from hyperloom.config.ops import OpsConfig
 from hyperloom.config.parallel import (
+    PAIRING_SCHEDULES,
     PIPELINE_SCHEDULES,
     ParallelConfig,
     pipeline_chunks,
@@ -48,6 +49,7 @@ from hyperloom.config.train import (
 
 __all__ = [
     "FP8_GEMMS",
+    "PAIRING_SCHEDULES",
     "PIPELINE_SCHEDULES",
     "RECOMPUTE_CANDIDATES",
     "RECOMPUTE_MODULES",

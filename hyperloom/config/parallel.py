@@ -45,6 +45,12 @@ class ParallelConfig:
         "all-gather of the group's rows + reduce-scatter of the outputs",
         choices=["alltoall", "allgather"],
     )
+    ep_overlap: bool = knob(
+        False,
+        "overlap one micro-batch's expert-parallel all-to-alls with another's compute: "
+        "DualPipe's F&B pairs and the forward-backward pairs of interleaved and zb-v steady "
+        "states run as two alternating lanes (numbers unchanged)",
+    )
     sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
     zero: int = knob(
         0,
@@ -85,7 +91,7 @@ class ParallelConfig:
                 f"({self.microbatches}) >= 0 (0 = 2 x pp)"
             ]
         p = _tensor_parallel_problems(job) + _pipeline_problems(job)
-        p += _context_parallel_problems(job)
+        p += _context_parallel_problems(job) + _overlap_problems(job)
         world = world_size_from_env() if world_size is None else world_size
         dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         product = self.dp * self.tp * self.pp * self.cp
@@ -243,6 +249,47 @@ def _context_parallel_problems(job: JobConfig) -> list[str]:
         out.append(
             "train.compile with parallel.cp > 1 is not built yet (the attention's own "
             "collectives break the graph); set train.compile false"
+        )
+    return out
+
+
+# Schedules whose steady state pairs a forward with a backward of another micro-batch without
+# delaying a neighbour (`pipeline.schedules.pair_forward_backward`).
+PAIRING_SCHEDULES = ("interleaved", "zb-v", "dualpipe", "dualpipev")
+
+
+def _overlap_problems(job: JobConfig) -> list[str]:
+    """What `parallel.ep_overlap` needs: all-to-alls to hide, pairs to hide them in, and no
+    dropout under recompute (a recomputing lane sets the global RNG to the state it saved,
+    and the other lane would draw its masks from it)."""
+    par = job.parallel
+    if not par.ep_overlap:
+        return []
+    out = []
+    if par.ep == 1 or par.ep_dispatcher != "alltoall":
+        out.append(
+            f"parallel.ep_overlap hides the expert-parallel all-to-alls: it needs "
+            f"parallel.ep > 1 and parallel.ep_dispatcher = 'alltoall' (got ep = {par.ep}, "
+            f"ep_dispatcher = '{par.ep_dispatcher}')"
+        )
+    if par.pp == 1:
+        out.append(
+            "parallel.ep_overlap runs inside a pipeline schedule's forward-backward pairs; "
+            "without one (parallel.pp = 1, gradient accumulation) it is not built: DDP would "
+            "reduce one micro-batch's gradients during the other's forward. Use parallel.pp "
+            f"> 1 with pp_schedule one of {', '.join(PAIRING_SCHEDULES)}"
+        )
+    elif par.pp_schedule not in PAIRING_SCHEDULES:
+        out.append(
+            f"parallel.ep_overlap runs pairs of one micro-batch's forward and another's "
+            f"backward, which pp_schedule = '{par.pp_schedule}' cannot form without making "
+            f"each pair wait for its neighbour's; use one of {', '.join(PAIRING_SCHEDULES)}"
+        )
+    if job.model.dropout > 0 and job.train.recompute != "none":
+        out.append(
+            f"parallel.ep_overlap with model.dropout = {job.model.dropout} and train.recompute "
+            f"= '{job.train.recompute}' is not supported: a recomputing lane sets the shared "
+            f"RNG to its saved state while the other lane draws masks; drop one of the three"
         )
     return out
 

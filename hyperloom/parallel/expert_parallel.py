@@ -36,6 +36,7 @@ from hyperloom.models.experts import Experts
 from hyperloom.models.shard import Shard, set_shard
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.mesh import all_reduce_coalesced
+from hyperloom.parallel.overlap import wait_overlapped
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -54,8 +55,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Started asynchronously and waited for through `overlap.wait_overlapped`: inside a
+    `Duet` the other micro-batch computes while the rows travel."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
+    wait_overlapped(work, "all-to-all")
     return out
 
 
@@ -115,6 +119,8 @@ class ExpertParallelExperts(Experts):
         ep, local = self.ep, self.n_local
         send = counts.view(ep, local)  # (ep, local): rows for rank j's l-th expert
         recv = torch.empty_like(send)  # (ep, local): rows rank j sends for my l-th expert
+        # Waited for at once: the rows' exchange needs it, and as a lane switch of its own it
+        # would leave the forward lane one switch per layer ahead of the backward's two.
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
         got = _AllToAll.apply(x, send_rows, recv_rows, self.group)  # (M, dim), (j, l) order

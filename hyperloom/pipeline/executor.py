@@ -4,8 +4,9 @@
 or the received or in-memory activation; a pipe's last stage returns the loss, scaled so the
 step's gradient is the mean over micro-batches, plus any stage's `side_loss()` (MoE balance
 losses). BW/B run autograd from the kept output; B queues linear weight gradients in a
-`WeightGradStore`, W runs them. FB runs its forward then its backward (on a GPU DualPipe
-overlaps them on two streams; the numbers are the same). Adjacent receives are batched with
+`WeightGradStore`, W runs them. FB runs its forward then its backward, or with `overlap`
+both at once as a `parallel.overlap.Duet`: each half's expert-parallel all-to-alls are in
+flight while the other half computes (DualPipe's overlapped pair); the numbers are the same. Adjacent receives are batched with
 `batch_isend_irecv` and waited for together; sends complete in the background, as `comm.py`'s
 contract assumes (waiting on them could deadlock where two ranks send first). Activation shapes
 are fixed per job, so receive buffers need no shape exchange.
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperloom.parallel.overlap import Duet
 from hyperloom.pipeline.ir import Action, ActionKind, Schedule
 from hyperloom.pipeline.split_backward import DeferWeightGrads, WeightGradStore
 
@@ -37,6 +39,7 @@ class PipelineExecutor:
         act_dtype: torch.dtype,
         device: torch.device,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        overlap: bool = False,
     ) -> None:
         missing = set(schedule.stages_of(rank)) - set(stages)
         if missing:
@@ -45,6 +48,8 @@ class PipelineExecutor:
         self.group = group
         self.act_shape, self.act_dtype, self.device = tuple(act_shape), act_dtype, device
         self.forward_context = forward_context
+        self.overlap = overlap
+        self.trace: list[tuple[Action, Duet]] = []  # the last step's duets, when overlapping
         self.first_stages = {p.stages[0] for p in schedule.pipes}
         self.store = WeightGradStore()
         self.split = any(
@@ -82,6 +87,7 @@ class PipelineExecutor:
         self._outbox: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
         self._loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.trace = []
         actions = self.schedule.actions[self.rank]
         with contextlib.nullcontext() if train else torch.no_grad():
             i = 0
@@ -106,6 +112,12 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
 
     def _compute(self, act: Action) -> None:
+        if self.overlap and self._train and act.kind is ActionKind.FB:
+            f, b = act.parts
+            duet = Duet((f"F{f.microbatch}@s{f.stage}", f"B{b.microbatch}@s{b.stage}"))
+            duet.run(lambda: self._compute(f), lambda: self._compute(b))
+            self.trace.append((act, duet))
+            return
         for part in act.parts:
             kind = part.kind
             if kind is ActionKind.F:

@@ -45,7 +45,7 @@ from hyperloom.parallel.parallelize import materialize, parallelize, select_ops
 from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.pipeline.comm import add_communication
 from hyperloom.pipeline.executor import PipelineExecutor
-from hyperloom.pipeline.schedules import build_schedule, forward_only
+from hyperloom.pipeline.schedules import build_schedule, forward_only, pair_forward_backward
 
 
 def layer_ranges(n_layers: int, n_chunks: int, counts: Sequence[int] = ()) -> list[range]:
@@ -329,7 +329,10 @@ def build_pipeline(
     pp, pp_rank = mesh.size("pp"), mesh.rank("pp")
     tp = mesh.size("tp")
     m = pipeline_microbatches(par)
-    schedule = add_communication(build_schedule(par.pp_schedule, pp, m, par.vpp))
+    schedule = build_schedule(par.pp_schedule, pp, m, par.vpp)
+    if par.ep_overlap:  # forward-backward pairs for the executor to overlap
+        schedule = pair_forward_backward(schedule)
+    schedule = add_communication(schedule)
     chunk_of = schedule.replica_of  # stage -> chunk (DualPipe: both copies, one chunk)
     n_chunks = len(set(chunk_of))
     ranges = layer_ranges(cfg.model.n_layers, n_chunks, par.pp_layers)
@@ -401,6 +404,7 @@ def build_pipeline(
         torch.float32,
         device,
         forward_context,
+        overlap=par.ep_overlap,
     )
     counted = {id(p) for _, p in owned}
     return PipelineModel(

@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 from hyperloom.pipeline.basic import gpipe, interleaved_1f1b, one_f_one_b, require_shape
 from hyperloom.pipeline.dualpipe import dualpipe, dualpipev
-from hyperloom.pipeline.ir import Action, Pipe, Schedule, ScheduleError
+from hyperloom.pipeline.ir import Action, ActionKind, Pipe, Schedule, ScheduleError
+from hyperloom.pipeline.simulate import simulate
 from hyperloom.pipeline.zero_bubble import zb_h1, zb_v
 
 # kind -> generator(pp, vpp, m); vpp is passed only where it is a choice.
@@ -54,6 +55,68 @@ def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
     if kind == "interleaved":
         return interleaved_1f1b(pp, vpp, microbatches)
     return SCHEDULES[kind](pp, microbatches)
+
+
+def pair_forward_backward(schedule: Schedule) -> Schedule:
+    """`schedule` (compute-only) with forwards that a rank runs right before a backward of
+    another micro-batch merged with it into overlapped FB pairs, which the executor then
+    runs as DualPipe runs its pairs (Megatron's "EP A2A overlap" of 1F1B-style steady
+    states). A pair waits for both halves' inputs and sends after both end, so a merge can
+    delay a neighbour: one is kept only if the schedule, timed with unit costs and no credit
+    for the overlap, ends no later than before. That keeps interleaved 1F1B's and ZB-V's
+    steady states, where a rank's forward and backward belong to different chunks, and
+    leaves plain 1F1B's (each pair would wait for the neighbour's pair before it: Megatron
+    asks for virtual stages for the same reason). Schedules that already pair (DualPipe,
+    DualPipeV) are returned as they are."""
+    if schedule.has_comm:
+        raise ScheduleError(f"{schedule.name}: pair before adding communication")
+    if any(a.kind is ActionKind.FB for acts in schedule.actions for a in acts):
+        return schedule
+
+    def makespan(actions: list[list[Action]]) -> float:
+        return simulate(schedule.with_actions(actions)).makespan
+
+    def merged(acts: list[Action], only: int | None = None) -> list[Action]:
+        """acts with every candidate pair merged (or only the one at index `only`)."""
+        out, i = [], 0
+        while i < len(acts):
+            a, nxt = acts[i], acts[i + 1] if i + 1 < len(acts) else None
+            candidate = (
+                nxt is not None
+                and a.kind is ActionKind.F
+                and nxt.kind in (ActionKind.B, ActionKind.BW)
+                and nxt.microbatch != a.microbatch
+            )
+            if candidate and only in (None, i):
+                full = nxt.kind is ActionKind.BW
+                out.append(Action.fb((a.stage, a.microbatch), (nxt.stage, nxt.microbatch), full))
+                i += 2
+            else:
+                out.append(a)
+                i += 1
+        return out
+
+    current = [list(acts) for acts in schedule.actions]
+    limit = makespan(current)
+
+    def keeps(rank: int, acts: list[Action]) -> bool:
+        try:
+            return makespan([*current[:rank], acts, *current[rank + 1 :]]) <= limit
+        except ScheduleError:  # the pair would deadlock
+            return False
+
+    for rank in range(schedule.pp):
+        whole = merged(current[rank])
+        if keeps(rank, whole):
+            current[rank] = whole
+            continue
+        i = 0
+        while i < len(current[rank]):
+            trial = merged(current[rank], only=i)
+            if len(trial) < len(current[rank]) and keeps(rank, trial):
+                current[rank] = trial
+            i += 1
+    return schedule.with_actions(current)
 
 
 def forward_only(schedule: Schedule, microbatches: int) -> Schedule:

@@ -20,8 +20,8 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
 - ZeRO-3: each layer's parameters gathered (BF16) forward and backward;
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
-  gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside DualPipe's FB
-  pairs (`dualpipe_ep_overlap`).
+  gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside overlapped FB
+  pairs (`ep_pair_hidden`, with `Strategy.ep_overlap`).
 
 Per step (`dp_sync`): the dp gradient reduction per ZeRO mode, minus what the runtime overlaps
 (the last bucket always exposed), expert gradients over their own group, then Adam as memory

@@ -221,6 +221,7 @@ DEEPSEEK_V3_MFU = 14.8e12 * 291_847_274_496 / (2.788e6 * 3600 * 989.4e12)  # 0.4
 
 # DeepSeek-V3's layout (docs/planner.md, Validation 5) and the runtimes its all-to-all is costed under.
 DEEPSEEK_V3_LAYOUT = Strategy(
+    ep_overlap=True,  # DualPipe's pairs; the runtimes below say how much they hide
     tp=1,
     pp=16,
     dp=128,
@@ -238,7 +239,7 @@ DEEPSEEK_V3_RUNTIMES = {
     "DeepSeek dispatch, DualPipe overlap": {
         "a2a_node_dedup": True,
         "fp8_dispatch": True,
-        "dualpipe_ep_overlap": 1.0,
+        "ep_pair_hidden": 1.0,
     },
 }
 

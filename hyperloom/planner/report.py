@@ -21,6 +21,7 @@ from hyperloom.pipeline import Costs, StageCost, build_schedule  # noqa: E402
 from hyperloom.pipeline import simulate as replay_schedule  # noqa: E402
 from hyperloom.pipeline.comm import add_communication  # noqa: E402
 from hyperloom.pipeline.plot import plot_timeline as draw_timeline  # noqa: E402
+from hyperloom.pipeline.schedules import pair_forward_backward  # noqa: E402
 from hyperloom.planner.hardware import GIB  # noqa: E402
 from hyperloom.planner.simulate import Plan, prepare  # noqa: E402
 
@@ -160,6 +161,8 @@ def plot_timeline(plan: Plan, path: str | Path, max_microbatches: int | None = N
         m = m + (m % 2) if s.schedule == "dualpipe" else m
     prep = prepare(plan.model, plan.cluster, s, plan.seq, plan.runtime)
     sched = build_schedule(s.schedule, s.pp, m, s.vpp)
+    if s.ep_overlap and prep.fb_overlap != 1.0:  # the pairs the executor overlaps
+        sched = pair_forward_backward(sched)
     chunk_of = {st: j for pipe in sched.pipes for j, st in enumerate(pipe.stages)}
     per_stage = {
         st: StageCost(float(prep.f[c]), float(prep.b[c]), float(prep.w[c]))

@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from hyperloom.config import PAIRING_SCHEDULES
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.hardware import Cluster
 from hyperloom.planner.model import ModelSpec
@@ -55,6 +56,8 @@ class SearchSpace:
     vpp: tuple[int, ...] = (2, 4)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     fp8: tuple[bool, ...] = (False, True)
+    # overlapped F&B pairs: tried where they can run (ep > 1, all-to-all, a pairing schedule)
+    ep_overlap: tuple[bool, ...] = (False, True)
 
     def fixed(self, **values) -> SearchSpace:
         """The space with some dimensions pinned, e.g. `fixed(tp=8, pp=4)`; `vpp` pins the
@@ -65,7 +68,7 @@ class SearchSpace:
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise PlanError(
                     f"cannot fix {key!r}; fixable: tp, cp, cp_comm, pp, ep, dispatcher, mbs, "
-                    f"zero, schedule, vpp, recompute, fp8"
+                    f"zero, schedule, vpp, recompute, fp8, ep_overlap"
                 )
             out[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         return dataclasses.replace(self, **out)
@@ -166,22 +169,25 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                         continue
                     if zero != 0 and dp == 1:
                         continue  # sharding over one rank is zero 0
-                    yield Strategy(
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        cp=cp,
-                        cp_comm=form,
-                        ep=ep,
-                        dispatcher=disp,
-                        vpp=v,
-                        zero=zero,
-                        mbs=mbs,
-                        microbatches=m,
-                        schedule=kind,
-                        recompute=rc,
-                        fp8=fp8,
-                    )
+                    pairs = ep > 1 and disp == "alltoall" and kind in PAIRING_SCHEDULES
+                    for overlap in space.ep_overlap if pairs else (False,):
+                        yield Strategy(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            cp=cp,
+                            cp_comm=form,
+                            ep=ep,
+                            dispatcher=disp,
+                            vpp=v,
+                            zero=zero,
+                            mbs=mbs,
+                            microbatches=m,
+                            schedule=kind,
+                            recompute=rc,
+                            fp8=fp8,
+                            ep_overlap=overlap,
+                        )
 
 
 def search(

@@ -5,9 +5,10 @@ model into chunks (`costs.assign_layers`), give every stage its chunk's F/B/W se
 the schedule the executor runs and replay it with the activation transfer as p2p latency
 (`pipeline.simulate`), so bubbles and exposed p2p come from the replay. Each rank finishes at
 its last compute event plus shared-gradient all-reduces, exposed dp sync and its optimizer
-step; memory uses the replay's peak in-flight counts. DualPipe's FB pairs may hide expert
-all-to-all time (`Runtime.dualpipe_ep_overlap`). MFU is model FLOPs per second (Megatron/PaLM
-convention, recompute not counted) over the BF16 dense peak.
+step; memory uses the replay's peak in-flight counts. Overlapped FB pairs (DualPipe's, and
+those `parallel.ep_overlap` forms in interleaved and ZB-V steady states) hide a share of the
+expert all-to-all time (`Runtime.ep_pair_hidden`, with `Strategy.ep_overlap`). MFU is model
+FLOPs per second (Megatron/PaLM convention, recompute not counted) over the BF16 dense peak.
 
 `fast=True` (the search's) replays at two micro-batch counts past the steady state and
 extrapolates each rank's finish linearly to m, without p2p actions; tests hold it to the
@@ -24,7 +25,14 @@ import numpy as np
 
 from hyperloom.pipeline import Costs, SimResult, StageCost, add_communication, build_schedule
 from hyperloom.pipeline import simulate as replay_schedule
-from hyperloom.pipeline.ir import Schedule, ScheduleError, standard_placement, v_placement
+from hyperloom.pipeline.ir import (
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    standard_placement,
+    v_placement,
+)
+from hyperloom.pipeline.schedules import pair_forward_backward
 from hyperloom.pipeline.validate import replay
 from hyperloom.planner.collectives import collective_time
 from hyperloom.planner.costs import (
@@ -116,8 +124,11 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _schedule(kind: str, pp: int, m: int, vpp: int, comm: bool) -> Schedule:
+def _schedule(kind: str, pp: int, m: int, vpp: int, comm: bool, paired: bool = False) -> Schedule:
+    """The schedule the executor runs; `paired`: with `parallel.ep_overlap`'s F&B pairs."""
     sched = build_schedule(kind, pp, m, vpp)
+    if paired:
+        sched = pair_forward_backward(sched)
     return add_communication(sched) if comm and pp > 1 else sched
 
 
@@ -208,14 +219,31 @@ def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks):
     return layers, tuple(params), tuple(experts)
 
 
+def _paired_share(res: SimResult, fb: float) -> list[float]:
+    """Per rank, the share of its compute (pairs counted at their unoverlapped length) that
+    ran inside overlapped F&B pairs in replay `res`: DualPipe pairs most of it, a paired
+    interleaved steady state less."""
+    out = []
+    for events in res.events:
+        pairs = sum(e.end - e.start for e in events if e.action.kind is ActionKind.FB) / fb
+        rest = sum(
+            e.end - e.start
+            for e in events
+            if e.action.kind.is_compute and e.action.kind is not ActionKind.FB
+        )
+        out.append(pairs / (pairs + rest) if pairs + rest else 0.0)
+    return out
+
+
 def fb_overlap(work: Phase, rt: Runtime) -> float:
-    """`pipeline.Costs.fb_overlap` for DualPipe: the share of an overlapped forward-and-
-    backward pair left after ``dualpipe_ep_overlap`` of the expert-parallel communication in
-    `work` hides behind the other micro-batch's work (DeepSeek-V3 §3.2.1)."""
+    """`pipeline.Costs.fb_overlap` for overlapped pairs (`Strategy.ep_overlap`): the share of
+    a forward-and-backward pair left after ``ep_pair_hidden`` of the expert-parallel
+    communication in `work` hides behind the other micro-batch's work (DeepSeek-V3
+    §3.2.1)."""
     total = work.total
-    if not rt.dualpipe_ep_overlap or not work.ep_comm or not total:
+    if not rt.ep_pair_hidden or not work.ep_comm or not total:
         return 1.0
-    hidden = rt.dualpipe_ep_overlap * min(work.ep_comm, total - work.ep_comm)
+    hidden = rt.ep_pair_hidden * min(work.ep_comm, total - work.ep_comm)
     return 1.0 - hidden / total
 
 
@@ -305,7 +333,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         rank_chunks=rank_chunks,
         p2p=collective_time("p2p", 2, act, links.pp),
     )
-    if s.schedule in ("dualpipe", "dualpipev") and rt.dualpipe_ep_overlap and one.ep_comm:
+    if s.ep_overlap and rt.ep_pair_hidden and one.ep_comm:
         # One factor serves every pair (`Costs` has one): the busiest rank's, so the rank
         # that sets the step is exact and the others hide slightly less than they could.
         busiest = max((prep.rank_phase(r) for r in range(s.pp)), key=lambda ph: ph.total)
@@ -408,7 +436,8 @@ def predict(
     results = []
     try:
         for m in m_runs:
-            sched = _schedule(s.schedule, s.pp, m, s.vpp, not fast)
+            paired = s.ep_overlap and prep.fb_overlap != 1.0
+            sched = _schedule(s.schedule, s.pp, m, s.vpp, not fast, paired)
             per_stage = {
                 st: StageCost(float(prep.f[c]), float(prep.b[c]), float(prep.w[c]))
                 for st, c in chunk_of.items()
@@ -442,6 +471,7 @@ def predict(
     acc = effective_profile(cluster, rt)
     finish, parts, busy_all = [], [], 0.0
     m = chunk_passes(s)
+    paired = _paired_share(results[0], prep.fb_overlap)
     for rank in range(s.pp):
         p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
         e_rank = sum(prep.experts[c] for c in prep.rank_chunks[rank])
@@ -452,7 +482,7 @@ def predict(
         opt = optimizer_time(p_rank, s, acc, rt, e_rank)
         finish.append(shared_end[rank] + dp_exposed + opt)
         busy = m * per_mb.total
-        hidden = busy * (1.0 - prep.fb_overlap)  # estimate: as if every pair were F&B
+        hidden = busy * paired[rank] * (1.0 - prep.fb_overlap)
         busy_all += busy - hidden
         parts.append(
             {

@@ -18,9 +18,13 @@ communication is overlapped and how well.
   docs/planner.md); SP inputs saved sharded and gathered again for wgrad.
 
 Expert parallelism folds over dp x cp (`parallel/mesh.py`); dispatch is an all-to-all or an
-all-gather pair, not overlapped in either runtime (``ep_overlap`` 0). ``dualpipe_ep_overlap``
-(the share hidden in DualPipe's FB pairs), ``a2a_node_dedup`` (DeepEP's once-per-node dispatch)
-and ``fp8_dispatch`` describe DeepSeek's own system and are set only where it is modelled.
+all-gather pair, not overlapped behind the expert compute (``ep_overlap`` 0). With
+``Strategy.ep_overlap`` (the job's `parallel.ep_overlap`) a forward and a backward of two
+micro-batches run as one pair and ``ep_pair_hidden`` of the all-to-all time inside a pair
+hides behind the other micro-batch's compute: for hyperloom the share
+`benchmarks/ep_overlap.py` measured on CPU (gloo), for DeepSeek's system 1 (§3.2.1 calls
+DualPipe's overlap full). ``a2a_node_dedup`` (DeepEP's once-per-node dispatch) and
+``fp8_dispatch`` describe DeepSeek's own system and are set only where it is modelled.
 ``param_bytes=2`` models Megatron's memory layout with hyperloom's overlap.
 
 Context parallelism (``Strategy.cp_comm``) is a ring of K/V blocks, each step's exchange
@@ -33,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hyperloom.config import JobConfig, pipeline_microbatches
+from hyperloom.config import PAIRING_SCHEDULES, JobConfig, pipeline_microbatches
 from hyperloom.pipeline import SCHEDULES
 from hyperloom.planner.errors import PlanError
 from hyperloom.planner.model import ModelSpec, parse_recompute
@@ -89,7 +93,7 @@ class Runtime:
     bucket_mb: float = 25.0  # the last gradient bucket is never hidden
     efficiency: float = 1.0  # achieved fraction of the compute roofline (fitted: docs)
     ep_overlap: float = 0.0  # fraction of the EP all-to-all hidden behind expert compute
-    dualpipe_ep_overlap: float = 0.0  # ... hidden inside DualPipe's F&B pairs (see docstring)
+    ep_pair_hidden: float = 0.0  # ... hidden inside an overlapped F&B pair (see docstring)
     a2a_node_dedup: bool = False  # one network copy per destination node (DeepEP)
     fp8_dispatch: bool = False  # with FP8 on, the dispatch all-to-all moves FP8 (DeepSeek)
     # With FP8 on, each FP8 GEMM's input is saved for backward as its 1-byte FP8 copy, as TE's
@@ -151,8 +155,15 @@ def job_runtime(
     )
 
 
+# The share of a paired all-to-all that the other micro-batch's compute hid, measured by
+# `benchmarks/ep_overlap.py` (moe-tiny, pp2 x dp2 x ep2 DualPipe, gloo on 2 CPU cores;
+# benchmarks/results/ep_overlap.json). Not measured on GPUs.
+HYPERLOOM_EP_PAIR_HIDDEN = 0.6
+
 RUNTIMES = {
-    "hyperloom": Runtime("hyperloom", grads_freed_each_step=True),
+    "hyperloom": Runtime(
+        "hyperloom", grads_freed_each_step=True, ep_pair_hidden=HYPERLOOM_EP_PAIR_HIDDEN
+    ),
     "megatron": Runtime(
         "megatron",
         param_bytes=2,
@@ -191,6 +202,7 @@ class Strategy:
     order: str = "pp,dp,cp,tp"
     dispatcher: str = "alltoall"  # EP token dispatch: "alltoall" or "allgather"
     cp_comm: str = "ring"  # CP attention: "ring" (K/V blocks passed round) or "alltoall" (Ulysses)
+    ep_overlap: bool = False  # F&B pairs overlap their all-to-alls (parallel.ep_overlap)
 
     @property
     def world(self) -> int:
@@ -231,6 +243,8 @@ class Strategy:
             parts.append(f"cp{self.cp}" + ("a2a" if self.cp_comm == "alltoall" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + ("ag" if self.dispatcher == "allgather" else ""))
+            if self.ep_overlap:
+                parts.append("ovl")
         parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
         parts.append(f"rc:{self.recompute}")
         if self.fp8:
@@ -271,6 +285,7 @@ class Strategy:
             cp_comm=par.cp_comm,
             ep=par.ep,
             dispatcher=par.ep_dispatcher,
+            ep_overlap=par.ep_overlap,
             zero=par.zero,
             sp=par.sp,
             order=par.order,
@@ -321,6 +336,14 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
         return f"dualpipe needs even pp ({p}) and even microbatches ({m}) >= 2*pp"
     if s.schedule == "dualpipev" and m < 2 * p:
         return f"dualpipev needs microbatches ({m}) >= 2*pp = {2 * p}"
+    if s.ep_overlap and (
+        s.ep == 1 or s.dispatcher != "alltoall" or s.pp == 1 or s.schedule not in PAIRING_SCHEDULES
+    ):
+        return (
+            f"ep_overlap needs ep > 1 with the alltoall dispatcher and pp > 1 with one of "
+            f"{', '.join(PAIRING_SCHEDULES)} (got ep {s.ep}, {s.dispatcher}, pp {s.pp}, "
+            f"{s.schedule})"
+        )
     if s.ep > 1:
         if not spec.n_routed_experts:
             return f"ep = {s.ep}: the dense family has no experts"

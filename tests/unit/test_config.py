@@ -561,3 +561,29 @@ def test_inject_specs_parse_in_the_config():
     ]
     with pytest.raises(ConfigError, match=re.escape("resilience.inject: cannot read 'hang@0'")):
         load_config(None, ["--resilience.inject", "hang@0"])
+
+
+def test_ep_overlap_validation():
+    """parallel.ep_overlap needs all-to-alls to hide and a schedule that pairs a forward with
+    another micro-batch's backward; each gap is named with what to change."""
+    moe = {"preset": "moe-tiny"}
+    ok = {"pp": 2, "dp": 2, "ep": 2, "pp_schedule": "dualpipe", "ep_overlap": True}
+    cfg = config_from_dict({"model": moe, "parallel": ok}, world_size=4)
+    assert cfg.parallel.ep_overlap
+    cases = [
+        ({**ok, "ep": 1}, "it needs parallel.ep > 1 and parallel.ep_dispatcher = 'alltoall'"),
+        ({**ok, "ep_dispatcher": "allgather"}, "ep_dispatcher = 'allgather')"),
+        ({**ok, "pp_schedule": "1f1b"}, "pp_schedule = '1f1b' cannot form"),
+        ({**ok, "pp": 1, "dp": 4, "pp_schedule": "1f1b"}, "without one (parallel.pp = 1"),
+    ]
+    for par, words in cases:
+        with pytest.raises(ConfigError) as info:
+            config_from_dict({"model": moe, "parallel": par}, world_size=4)
+        assert any(words in p for p in info.value.problems), (par, info.value.problems)
+    # Dropout under recompute: the recomputing lane would move the other lane's RNG.
+    model = {**moe, "dropout": 0.1}
+    config_from_dict({"model": model, "parallel": ok}, world_size=4)  # no recompute: fine
+    with pytest.raises(ConfigError, match="a recomputing lane sets the shared RNG"):
+        config_from_dict(
+            {"model": model, "parallel": ok, "train": {"recompute": "full"}}, world_size=4
+        )

@@ -375,22 +375,44 @@ def test_search_proposes_only_valid_ep():
         search(spec, Cluster.of("h100", 48), 96, 2048, "hyperloom", space.fixed(ep=3))
 
 
-def test_lower_bound_holds_under_dualpipe_overlap():
+def test_lower_bound_holds_under_overlapped_pairs():
     spec = spec_of("deepseek-v2-lite")
     cl = Cluster.of("h100", 32)
-    rt = dataclasses.replace(RUNTIMES["megatron"], dualpipe_ep_overlap=1.0)
-    for schedule, m in (("dualpipe", 16), ("dualpipev", 16), ("1f1b", 16)):
-        s = Strategy(tp=1, pp=4, dp=8, ep=8, zero=1, mbs=1, microbatches=m, schedule=schedule)
+    rt = dataclasses.replace(RUNTIMES["megatron"], ep_pair_hidden=1.0)
+    cases = (("dualpipe", 1), ("dualpipev", 1), ("interleaved", 2), ("zb-v", 1), ("1f1b", 1))
+    for schedule, vpp in cases:
+        paired = schedule != "1f1b"
+        s = Strategy(
+            tp=1,
+            pp=4,
+            dp=8,
+            ep=8,
+            zero=1,
+            mbs=1,
+            microbatches=16,
+            schedule=schedule,
+            vpp=vpp,
+            ep_overlap=paired,
+        )
         prep = prepare(spec, cl, s, 2048, rt)
-        assert (prep.fb_overlap < 1.0) == (schedule != "1f1b")
+        assert (prep.fb_overlap < 1.0) == paired
         plan = predict(spec, cl, s, 2048, rt, prep=prep)
         assert lower_bound(s, prep, cl, rt) <= plan.step_time * (1 + 1e-9)
         parts = {k: v for k, v in plan.breakdown.items() if k != "dp_sync_total"}
         assert sum(parts.values()) == pytest.approx(plan.step_time, rel=1e-6)
-    # the overlap shortens DualPipe only
-    s = Strategy(tp=1, pp=4, dp=8, ep=8, zero=1, mbs=1, microbatches=16, schedule="dualpipe")
-    plain = predict(spec, cl, s, 2048, "megatron")
-    assert predict(spec, cl, s, 2048, rt).step_time < plain.step_time
+        if paired:
+            off = predict(spec, cl, dataclasses.replace(s, ep_overlap=False), 2048, rt)
+            hidden = plan.breakdown["ep_hidden_by_fb_pairs"]
+            assert hidden < 0, schedule  # reported as a negative part of the step
+            # DualPipe's own pairs only shorten its step. Pairs formed from a steady state
+            # were chosen under unit costs; with this model's heavier end chunks some delay
+            # a neighbour, which the replay shows (so the search tries both).
+            if schedule.startswith("dualpipe"):
+                assert plan.step_time < off.step_time, schedule
+    # 1F1B has no pairs that would not delay a neighbour: the overlap is refused
+    s = Strategy(pp=4, dp=8, ep=8, microbatches=16, schedule="1f1b", ep_overlap=True)
+    with pytest.raises(PlanError, match="ep_overlap needs"):
+        predict(spec, cl, s, 2048, rt)
 
 
 # --- DeepSeek-V3 and the CLI ----------------------------------------------------------------

@@ -7,6 +7,10 @@ moments; zero = 3 is PyTorch FSDP2 (`fully_shard` per block, then the root), whi
 with our plain tensor-parallel modules. Under pipeline parallelism the pipeline reduces over
 dp itself after the schedule, since a split backward accumulates weight gradients outside
 autograd's hooks.
+
+FSDP2 leaves whole the parameters no gradient reaches (a MoE router's `expert_bias`, which
+balancing moves in place after each step, on every rank alike), and shards expert banks split
+over ep over their own replicas (the expert-data-parallel group), like torchtitan.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.models.shard import restore_shards, shards_by_name
+from hyperloom.parallel.expert_parallel import ExpertParallelExperts, ExpertParallelism
 from hyperloom.parallel.mesh import ParallelMesh
 
 
@@ -45,12 +50,13 @@ def wrap_data_parallel(
     model: nn.Module,
     mesh: ParallelMesh,
     zero: int,
-    ignore: list[str] = (),
+    experts: ExpertParallelism | None = None,
     routed: bool = False,
 ) -> nn.Module:
     """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1 or
-    zero = 1 (whose optimizer does the data-parallel reduction). DDP leaves the parameters
-    named in `ignore` alone (expert weights, reduced over their own replicas).
+    zero = 1 (whose optimizer does the data-parallel reduction). DDP leaves the `experts`
+    (split over ep) alone: they are reduced over their own replicas; FSDP2 shards them over
+    those (`_shard_experts`).
 
     `routed` (a MoE model) at dp > 2: DDP all-reduces each gradient on its own
     (`_reduce_each_gradient`) instead of each bucket's flat buffer. DDP rebuilds its buckets
@@ -66,8 +72,10 @@ def wrap_data_parallel(
     if zero == 0:
         from torch.nn.parallel import DistributedDataParallel
 
-        if ignore:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+        if experts is not None:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, experts.names
+            )
         # Gradients as views of the all-reduce buckets: without it the buckets are a second
         # FP32 copy of every gradient (dp2 on the default model: ~88 MB per rank).
         ddp = DistributedDataParallel(
@@ -86,8 +94,29 @@ def wrap_data_parallel(
     # clipping and checkpoints still know which tensors are tp slices.
     shards = shards_by_name(model)
     dp_mesh = mesh.submesh("dcp")
+    whole = {p for p in model.parameters() if not p.requires_grad}  # routing biases
+    if experts is not None:
+        whole |= _shard_experts(model, experts, mesh.device_mesh.device_type)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, ignored_params=whole)
+    fully_shard(model, mesh=dp_mesh, ignored_params=whole)
     restore_shards(model, shards)
     return model
+
+
+def _shard_experts(model: nn.Module, experts: ExpertParallelism, device_type: str) -> set:
+    """FSDP2 on each expert bank over the expert-data-parallel group; the sharded gradient is
+    summed there and divided by the whole dp, as `ExpertParallelism.reduce_grads` makes it.
+    Without that group (dp x cp = ep) nothing to shard: returns the expert parameters, to be
+    left alone (`finish_grads` reduces them)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if experts.data_group is None:
+        return {model.get_parameter(n) for n in experts.names}
+    data_mesh = DeviceMesh.from_group(experts.data_group, device_type)
+    for bank in [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]:
+        fully_shard(bank, mesh=data_mesh)
+        bank.set_gradient_divide_factor(experts.dp)
+        bank.set_force_sum_reduction_for_comms(True)  # a sum, then / dp: gloo has no PREMUL_SUM
+    return set()

@@ -104,11 +104,19 @@ class ParallelModel:
         what one process quantizing all the replicas' micro-batches as one would record, so
         the next scales equal that process's and the one copy a checkpoint keeps resumes
         every rank. TE reduces amaxes over its `fp8_group` in the same way (Megatron's amax
-        reduction group spans dp and tp). Stateless recipes have nothing to reduce."""
+        reduction group spans dp and tp). Stateless recipes have nothing to reduce. Modules
+        whose gradients are summed over tp (sp_params: under sp, DeepSeek's routed experts
+        see this rank's tokens only) are replicas over tp too, reduced over it first."""
         dp_group = self.mesh.group("dcp")
+        sliced = {n.rpartition(".")[0] for n in self.sp_params}
+        plain, experts, over_tp = ([], []), ([], []), ([], [])
+        for name, m in fp8_modules(self.inner):
+            if m.fp8_amax_history is not None and name in sliced:
+                over_tp[0].append(m.fp8_amax_history)
+                over_tp[1].append(m.fp8_scale)
+        all_reduce_scaling_state(*over_tp, self.tp_group, recent)
         if dp_group is None:
             return
-        plain, experts = ([], []), ([], [])
         for _, m in fp8_modules(self.inner):
             if m.fp8_amax_history is not None:
                 into = experts if isinstance(m, ExpertParallelExperts) else plain
@@ -138,7 +146,7 @@ class ParallelModel:
     def finish_grads(self) -> None:
         """After backward: sum the sequence-parallel norms' weight gradients over tp;
         reduce the expert weights' gradients (which DDP leaves alone) over their replicas."""
-        if self.experts is not None:
+        if self.experts is not None and self.reduces_expert_grads():
             self.experts.reduce_grads(self.inner)
         group = self.tp_group
         if group is None:
@@ -147,12 +155,21 @@ class ParallelModel:
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
         all_reduce_coalesced(grads, group)
 
+    def reduces_expert_grads(self) -> bool:
+        """Whether `finish_grads` reduces the expert gradients: not under ZeRO-1, whose
+        optimizer does, nor under FSDP2 where it shards them over their replicas
+        (`wrap_data_parallel`: when dp x cp > ep)."""
+        if self.zero == 1:
+            return False
+        return not (self.zero == 3 and self.experts.data_group is not None)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over the whole layout; scales gradients down to `max_norm`.
 
         Tensor-parallel shards contribute their squares summed over tp, expert weights
         theirs summed over ep; replicated parameters count once. Under FSDP every dp rank
-        holds a disjoint shard, so the sum also runs over dp. Same formula as
+        holds a disjoint shard, so the sum also runs over dp (for expert weights that sum
+        alone: each rank holds a disjoint part of them). Same formula as
         `torch.nn.utils.clip_grad_norm_`.
         """
         sharded, experts, replicated, every = [], [], [], []
@@ -176,7 +193,8 @@ class ParallelModel:
         total_sq = sharded_sq + sum_of_squares(replicated, dev)
         if self.experts is not None:
             expert_sq = sum_of_squares(experts, dev)
-            dist.all_reduce(expert_sq, group=self.experts.group)
+            if self.zero != 3:  # under FSDP the dp sum below covers the ep ranks
+                dist.all_reduce(expert_sq, group=self.experts.group)
             total_sq = total_sq + expert_sq
         if self.zero == 3 and self.mesh.group("dcp") is not None:
             dist.all_reduce(total_sq, group=self.mesh.group("dcp"))

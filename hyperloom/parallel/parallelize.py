@@ -114,9 +114,8 @@ def build_parallel_model(job: JobConfig, mesh: ParallelMesh, device: torch.devic
     sharding = parallelize(model, job, mesh, family(job.model.family))
     materialize(model, device, job.train.seed)
     select_ops(model, job)
-    ignore = sharding.experts.names if sharding.experts is not None else []
     routed = job.model.n_routed_experts > 0
-    module = wrap_data_parallel(model, mesh, job.parallel.zero, ignore, routed)
+    module = wrap_data_parallel(model, mesh, job.parallel.zero, sharding.experts, routed)
     return ParallelModel(
         module,
         model,

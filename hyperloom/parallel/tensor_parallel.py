@@ -16,9 +16,16 @@ A family's plan maps module paths to styles, which `apply_tensor_parallel` inter
 "colwise" / "rowwise" linears; "tp_input" (a block's input made whole once for its
 column-parallel linears); "vocab_embedding" / "vocab_head"; "sp_norm" (a norm on a sequence
 slice, its weight gradient summed over tp); "colwise_tp_input" (a column-parallel linear that
-makes its own input whole); "tp_output_grad" (a replicated module feeding only this rank's
-shards: its output gradient summed before its backward); "tp_partial_grad" (a replicated
-module whose weight gradient is a partial sum, summed after backward).
+sums its own input gradient, its input whole already); "tp_output_grad" (a replicated module
+feeding only this rank's shards: its output gradient summed before its backward);
+"tp_partial_grad" (a replicated module whose weight gradient is a partial sum, summed after
+backward); "sp_gather" (under sp a module's input gathered whole, the gather's backward keeping
+this rank's slice of a gradient its consumers made whole); "sp_partial_grad" (a replicated
+module that under sp sees only this rank's tokens: its weight gradient summed after backward).
+
+Under sp, modules with a `sequence` attribute get a `SequenceShard` (MoE layers reduce their
+loads and balance losses over it). Submodules a model names in `whole_sequence_modules` run on
+whole sequences, tensor-parallel without sp (DeepSeek's MTP, which reads token i + k).
 """
 
 from __future__ import annotations
@@ -107,6 +114,22 @@ class _GatherSeq(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None
 
 
+class _GatherSeqWholeGrad(torch.autograd.Function):
+    """Sequence-parallel -> full sequence for consumers that make its gradient whole on every
+    rank (Megatron's gather with `tensor_parallel_output_grad=False`): backward keeps this
+    rank's slice, no communication."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.local = group, x.shape[SEQ_DIM]
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = _rank(ctx.group) * ctx.local
+        return grad.narrow(SEQ_DIM, start, ctx.local).contiguous(), None
+
+
 class _ReduceScatterSeq(torch.autograd.Function):
     """Partial sums over the full sequence -> this rank's summed sequence slice."""
 
@@ -134,6 +157,30 @@ def gather_seq(x, group):
 
 def reduce_scatter_seq(x, group):
     return x if group is None else _ReduceScatterSeq.apply(x, group)
+
+
+def gather_seq_whole_grad(x, group):
+    return x if group is None else _GatherSeqWholeGrad.apply(x, group)
+
+
+class SequenceShard:
+    """This rank's 1/tp of every sequence under sequence parallelism, for a module that
+    works on it and needs whole-sequence quantities (`sequence` attribute, set by
+    `apply_tensor_parallel`; the model code cannot import this package)."""
+
+    def __init__(self, group):
+        self.group, self.size = group, _world(group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, s / tp, ...) -> (b, s, ...) for a region every tp rank computes alike (so its
+        gradient is whole on each): the backward keeps this rank's slice."""
+        return gather_seq_whole_grad(x, self.group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the tp ranks of a per-slice quantity, for a loss every tp rank
+        computes alike from it: the backward is the identity (each slice gets that loss's
+        gradient once)."""
+        return reduce_from_tp(x, self.group)
 
 
 def scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -232,6 +279,29 @@ def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
     module.register_forward_pre_hook(hook)
 
 
+def prepare_sp_gather(module: nn.Module, group) -> None:
+    """Gather `module`'s first input along the sequence (sequence parallelism), for a module
+    whose consumers of that input make its gradient whole on every rank themselves (MLA's
+    down-projections, "tp_output_grad"): the gather's backward keeps this rank's slice where
+    `prepare_tp_input`'s reduce-scatters partial sums."""
+
+    def hook(_module, args):
+        return (gather_seq_whole_grad(args[0], group), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+def prepare_copy_input(module: nn.Module, group) -> None:
+    """The identity on `module`'s first input whose backward sums its gradient over the
+    group (the input is whole on every rank already; under sp an enclosing "sp_gather"
+    gathered it)."""
+
+    def hook(_module, args):
+        return (copy_to_tp(args[0], group), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
 def prepare_tp_output_grad(module: nn.Module, group) -> None:
     """Sum the gradient of `module`'s output over the group before `module`'s backward runs:
     the identity forward, an all-reduce backward (Megatron's "copy to tensor-parallel
@@ -302,18 +372,30 @@ class VocabParallelHead(nn.Module):
                 tuple(weight_source.weight.shape), 0, group, weight_source.weight
             )
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self._source.weight if self.tied else self.weight
-        h = gather_seq(h, self.group) if self.sequence_parallel else copy_to_tp(h, self.group)
-        return F.linear(h, weight)
+    def _input(self, h: torch.Tensor, whole_sequence: bool) -> torch.Tensor:
+        if self.sequence_parallel and not whole_sequence:
+            return gather_seq(h, self.group)
+        return copy_to_tp(h, self.group)
 
-    def loss(self, h: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int = 0):
-        """Mean cross-entropy of this head on h against labels (b, s), vocab-parallel:
-        chunked and fused with the projection unless `impl` is "reference"."""
-        if impl == "reference":
-            return vocab_parallel_cross_entropy(self(h), labels, self.group)
+    def forward(self, h: torch.Tensor, whole_sequence: bool = False) -> torch.Tensor:
         weight = self._source.weight if self.tied else self.weight
-        h = gather_seq(h, self.group) if self.sequence_parallel else copy_to_tp(h, self.group)
+        return F.linear(self._input(h, whole_sequence), weight)
+
+    def loss(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor,
+        impl: str,
+        chunk_tokens: int = 0,
+        whole_sequence: bool = False,
+    ):
+        """Mean cross-entropy of this head on h against labels (b, s), vocab-parallel:
+        chunked and fused with the projection unless `impl` is "reference".
+        `whole_sequence`: h holds whole sequences under sp too (copied, not gathered)."""
+        if impl == "reference":
+            return vocab_parallel_cross_entropy(self(h, whole_sequence), labels, self.group)
+        weight = self._source.weight if self.tied else self.weight
+        h = self._input(h, whole_sequence)
         group = self.group
 
         def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -384,6 +466,8 @@ STYLES = (
     "vocab_embedding",
     "vocab_head",
     "sp_norm",
+    "sp_gather",
+    "sp_partial_grad",
 )
 
 
@@ -408,8 +492,15 @@ def apply_tensor_parallel(
     `partial`: the model is a pipeline chunk, so plan entries may match nothing (a middle
     chunk has no embedding and no head). Returns the names of the parameters whose gradients
     must be summed over the group after backward (norm weights under sequence parallelism).
+    Modules under the model's `whole_sequence_modules` get their styles without sp.
     """
     sp_params: list[str] = []
+    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
+    if sequence_parallel:
+        shard = SequenceShard(group)
+        for name, m in model.named_modules():
+            if hasattr(m, "sequence") and not name.startswith(whole):
+                m.sequence = shard
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"unknown tensor-parallel style {style!r} for {pattern!r}")
@@ -425,24 +516,26 @@ def apply_tensor_parallel(
             continue
         for path in paths:
             old = model.get_submodule(path)
+            sp = sequence_parallel and not path.startswith(whole)
             if style == "colwise":
                 _set_submodule(model, path, ColumnParallelLinear(old, group))
             elif style == "rowwise":
-                _set_submodule(model, path, RowParallelLinear(old, group, sequence_parallel))
+                _set_submodule(model, path, RowParallelLinear(old, group, sp))
             elif style == "vocab_embedding":
-                new = VocabParallelEmbedding(old, group, sequence_parallel)
-                _set_submodule(model, path, new)
+                _set_submodule(model, path, VocabParallelEmbedding(old, group, sp))
             elif style == "vocab_head":
-                new = VocabParallelHead(old, group, sequence_parallel, tied=False)
+                new = VocabParallelHead(old, group, sp, tied=False)
                 _set_submodule(model, path, new)
             elif style == "tp_input":
-                prepare_tp_input(old, group, sequence_parallel)
+                prepare_tp_input(old, group, sp)
             elif style == "colwise_tp_input":
                 new = ColumnParallelLinear(old, group)
-                prepare_tp_input(new, group, sequence_parallel)
+                prepare_copy_input(new, group)
                 _set_submodule(model, path, new)
             elif style == "tp_output_grad":
                 prepare_tp_output_grad(old, group)
-            elif style == "tp_partial_grad" or (style == "sp_norm" and sequence_parallel):
+            elif style == "sp_gather" and sp:
+                prepare_sp_gather(old, group)
+            elif style == "tp_partial_grad" or (style in ("sp_norm", "sp_partial_grad") and sp):
                 sp_params.extend(f"{path}.{n}" for n, _ in old.named_parameters())
     return sp_params

@@ -15,6 +15,12 @@ gloo, whose reduce-scatter and all-gather allocate a whole-buffer temporary and 
 slower, gradients and weights go through in-place all-reduces instead (docs/parallelism.md).
 The update is `torch.optim.AdamW`'s element for element, so zero = 1 equals one process to
 rounding.
+
+Expert parallelism: the routed experts differ between the ep ranks, so they get a flat space
+of their own, sharded over their expert-data-parallel group (the ranks holding the same
+experts), whose gradient is summed there and divided by dp (as `ExpertParallelism.reduce_grads`
+makes it); the dense parameters are sharded over dp as before. The master weights and moments
+hold both shards side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +37,42 @@ from torch import nn
 from hyperloom.accelerator import sum_of_squares
 from hyperloom.config import TrainConfig
 from hyperloom.models.shard import shard_of
+
+if TYPE_CHECKING:
+    from hyperloom.parallel.expert_parallel import ExpertParallelism
+
+
+@dataclass(frozen=True)
+class _Space:
+    """A run of parameters flattened end to end, padded to a multiple of `size`, sharded
+    over `group`: elements [offset, offset + padded) of the flat buffer, this rank's shard
+    [lo, hi) of them and [start, start + shard) of the master weights and moments."""
+
+    group: object | None  # None: one rank, no collective
+    size: int
+    rank: int
+    divide: int  # the reduced gradient: the sum over `group` divided by this
+    first: int  # parameters [first, last) of the optimizer's list
+    last: int
+    numel: int
+    offset: int
+    start: int
+
+    @property
+    def padded(self) -> int:
+        return math.ceil(self.numel / self.size) * self.size
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.size
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.shard
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.shard
 
 
 @dataclass(frozen=True)
@@ -60,35 +103,65 @@ class ZeroOneAdamW:
         counted: Callable[[nn.Parameter], bool] | None = None,
         extra_norm_group=None,
         in_place: bool | None = None,
+        experts: ExpertParallelism | None = None,
     ):
         """`counted` says which parameters the gradient norm counts (pipeline copies of a
         parameter count once); `extra_norm_group` sums the norm over more ranks (pp);
         `in_place` picks the all-reduce collectives (default: on gloo) over reduce-scatter and
-        all-gather (module docstring)."""
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        all-gather (module docstring); `experts`: the routed experts split over ep, whose
+        space spans their expert-data-parallel group."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        routed = set()
+        if experts is not None:
+            routed = {id(model.get_parameter(n)) for n in experts.names}
+        # dense parameters first, then the experts: each space is one run of the list
+        self.params = [p for p in params if id(p) not in routed]
+        self.params += [p for p in params if id(p) in routed]
         self.group, self.tp_group = dp_group, tp_group
         self.extra_norm_group = extra_norm_group
         self.dp = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
         self.numels = [p.numel() for p in self.params]
-        total = sum(self.numels)
-        self.padded = math.ceil(total / self.dp) * self.dp
-        self.shard = self.padded // self.dp
-        self.lo, self.hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        n_dense = len(self.params) - len(routed)
+        runs = [(0, n_dense, dp_group, self.dp)]
+        if experts is not None:
+            runs.append((n_dense, len(self.params), experts.data_group, experts.dp))
+        self.spaces: list[_Space] = []
+        self.offsets: list[int] = []  # where each parameter starts in the flat buffer
+        offset = start = 0
+        for first, last, group, divide in runs:
+            if first == last:  # a pipeline stage without MoE layers
+                continue
+            size, rank = 1, 0
+            if group is not None:
+                size, rank = dist.get_world_size(group), dist.get_rank(group)
+            numel = sum(self.numels[first:last])
+            space = _Space(group, size, rank, divide, first, last, numel, offset, start)
+            self.spaces.append(space)
+            at = offset
+            for n in self.numels[first:last]:
+                self.offsets.append(at)
+                at += n
+            offset, start = offset + space.padded, start + space.shard
+        self.padded, self.shard = offset, start
         device = self.params[0].device
-        # The owned range as pieces of parameters: per-parameter properties (weight decay,
+        # The owned ranges as pieces of parameters: per-parameter properties (weight decay,
         # tensor-parallel shard, counted in the norm) apply to whole pieces, so no
         # per-element masks and no full-size temporaries are built.
         self.pieces: list[_Piece] = []
-        offset = 0
-        for i, n in enumerate(self.numels):
-            a, b = max(offset, self.lo), min(offset + n, self.hi)
-            if a < b:
-                self.pieces.append(_Piece(i, a - offset, b - offset, a - self.lo, b - self.lo))
-            offset += n
+        for sp in self.spaces:
+            for i in range(sp.first, sp.last):
+                at = self.offsets[i] - sp.offset  # where parameter i starts in its space
+                a, b = max(at, sp.lo), min(at + self.numels[i], sp.hi)
+                if a < b:
+                    s0 = sp.start + a - sp.lo
+                    self.pieces.append(_Piece(i, a - at, b - at, s0, s0 + b - a))
         self.decays = [self.params[c.index].ndim >= 2 for c in self.pieces]  # matrices only
         counts = [counted is None or counted(self.params[c.index]) for c in self.pieces]
-        tp = [shard_of(self.params[c.index]) is not None for c in self.pieces]
+        # Expert pieces count as replicated ones: each rank's are disjoint, and summed over
+        # dp they cover every expert once (experts are replicated over tp).
+        shards = [shard_of(self.params[c.index]) for c in self.pieces]
+        tp = [s is not None and s.over != "ep" for s in shards]
         # for the global grad norm: tp shards (summed over tp) and replicated, counted pieces
         self.norm_sharded = [c and t for c, t in zip(counts, tp, strict=True)]
         self.norm_replicated = [c and not t for c, t in zip(counts, tp, strict=True)]
@@ -104,9 +177,9 @@ class ZeroOneAdamW:
             self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=device)
             self.views = self._split(self.buffer)
             self._attach()
-        self.shard_out = torch.empty(
-            0 if self.in_place else self.shard, dtype=torch.float32, device=device
-        )
+        # reduce-scatters' outputs, and the spaces' gradient shards side by side
+        whole = not self.in_place or len(self.spaces) > 1
+        self.shard_out = torch.empty(self.shard if whole else 0, dtype=torch.float32, device=device)
         self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay}]
         self.betas, self.eps = (cfg.beta1, cfg.beta2), cfg.eps
 
@@ -124,16 +197,24 @@ class ZeroOneAdamW:
     def _flatten(self, tensors: list[torch.Tensor], device=None) -> torch.Tensor:
         device = device or self.params[0].device
         flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        torch.cat([t.reshape(-1).float().to(device) for t in tensors], out=flat[: sum(self.numels)])
+        for sp in self.spaces:
+            torch.cat(
+                [t.reshape(-1).float().to(device) for t in tensors[sp.first : sp.last]],
+                out=flat[sp.offset : sp.offset + sp.numel],
+            )
         return flat
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a flat buffer, shaped like the parameters."""
-        views, offset = [], 0
-        for p, n in zip(self.params, self.numels, strict=True):
-            views.append(flat[offset : offset + n].view_as(p))
-            offset += n
-        return views
+        return [
+            flat[o : o + n].view_as(p)
+            for p, o, n in zip(self.params, self.offsets, self.numels, strict=True)
+        ]
+
+    def _in_spaces(self, full: torch.Tensor, shard: torch.Tensor):
+        """(space, its part of a flat `full`, its part of a `shard`-sized tensor) per space."""
+        for sp in self.spaces:
+            yield sp, full[sp.offset : sp.offset + sp.padded], shard[sp.start : sp.start + sp.shard]
 
     def _attach(self) -> None:
         """Point every parameter's gradient at its (zeroed) slot of the flat buffer."""
@@ -158,15 +239,26 @@ class ZeroOneAdamW:
         return self.buffer
 
     def reduce_grads(self) -> None:
-        """Reduce the accumulated gradients over dp: this rank gets the dp-mean of its slice."""
+        """Reduce the accumulated gradients over dp: this rank gets the dp-mean of its slice
+        (of the experts' slice: the sum over their replicas divided by dp)."""
         flat = self._gathered_grads()
-        if self.in_place:
-            dist.all_reduce(flat, group=self.group)
-            shard = flat[self.lo : self.hi]
-        else:
-            shard = self.shard_out  # allocated once: NCCL-style reduce-scatters need no copy
-            dist.reduce_scatter_tensor(shard, flat, group=self.group)
-        self.grad_shard = shard.div_(self.dp)
+        # shard_out is allocated once: NCCL-style reduce-scatters need no copy
+        for sp, whole, out in self._in_spaces(flat, self.shard_out):
+            if sp.group is None:
+                shard = whole
+            elif self.in_place:
+                dist.all_reduce(whole, group=sp.group)
+                shard = whole[sp.lo : sp.hi]
+            else:
+                shard = out
+                dist.reduce_scatter_tensor(shard, whole, group=sp.group)
+            shard.div_(sp.divide)
+            if len(self.spaces) == 1:
+                self.grad_shard = shard
+            elif shard.data_ptr() != out.data_ptr():
+                out.copy_(shard)
+        if len(self.spaces) > 1:
+            self.grad_shard = self.shard_out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm from the gradient shards (tp shards summed over tp, replicas once)."""
@@ -218,12 +310,15 @@ class ZeroOneAdamW:
             full = torch.empty(self.padded, dtype=torch.float32, device=self.master.device)
         for p in self.params:  # the buffer is about to hold weights, not gradients
             p.grad = None
-        if self.in_place:
-            full.zero_()
-            full[self.lo : self.hi].copy_(self.master)
-            dist.all_reduce(full, group=self.group)
-        else:
-            dist.all_gather_into_tensor(full, self.master, group=self.group)
+        for sp, whole, mine in self._in_spaces(full, self.master):
+            if sp.group is None:
+                whole.copy_(mine)
+            elif self.in_place:
+                whole.zero_()
+                whole[sp.lo : sp.hi].copy_(mine)
+                dist.all_reduce(whole, group=sp.group)
+            else:
+                dist.all_gather_into_tensor(whole, mine, group=sp.group)
         for p, v in zip(self.params, self._split(full), strict=True):
             p.data.copy_(v)
 
@@ -241,22 +336,22 @@ class ZeroOneAdamW:
 
     def _gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        for sp, whole, mine in self._in_spaces(full, shard):
+            if sp.group is None:
+                whole.copy_(mine)
+            else:
+                dist.all_gather_into_tensor(whole, mine.contiguous(), group=sp.group)
         return full
 
     def state_by_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Each parameter's moments whole over dp (this rank's tp shard): a collective."""
+        """Each parameter's moments whole over dp (this rank's tp shard, or ep piece): a
+        collective."""
         avg, avg_sq = self._gather_flat(self.exp_avg), self._gather_flat(self.exp_avg_sq)
-        out, offset = {}, 0
         step = torch.tensor(float(self.step_count))
-        for p, n in zip(self.params, self.numels, strict=True):
-            out[p] = {
-                "step": step,
-                "exp_avg": avg[offset : offset + n].view_as(p).clone(),
-                "exp_avg_sq": avg_sq[offset : offset + n].view_as(p).clone(),
-            }
-            offset += n
-        return out
+        return {
+            p: {"step": step, "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+            for p, a, b in zip(self.params, self._split(avg), self._split(avg_sq), strict=True)
+        }
 
     def load_state_by_param(self, state: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         steps = {int(s["step"]) for s in state.values()}

@@ -51,20 +51,26 @@ def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimize
             pm.tp_group,
             counted=pm.norm_counted,
             extra_norm_group=pm.mesh.group("pp"),
+            experts=pm.experts,
         )
     return adamw(pm.inner, cfg)
 
 
 def adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, vectors (norm weights) do not. Fused or foreach when possible."""
-    decay, no_decay = [], []
+    """AdamW; matrices decay, vectors (norm weights) do not. Fused or foreach when possible.
+    FSDP2's DTensor parameters and plain ones (experts FSDP leaves alone) go in groups of
+    their own: a fused or foreach kernel takes one kind."""
+    kinds: dict[bool, tuple[list, list]] = {}  # DTensor or not -> (decay, no_decay)
     for p in model.parameters():
         if p.requires_grad:
+            decay, no_decay = kinds.setdefault(hasattr(p, "device_mesh"), ([], []))
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = []
+    for decay, no_decay in kinds.values() or [([], [])]:
+        groups += [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)

@@ -3,14 +3,17 @@
 A small DeepSeek-style MoE (MLA, 8 routed experts top-2 in 2 groups, a shared expert, one MTP
 module, aux-loss-free balancing and the sequence-wise balance loss on) trains 5 AdamW steps
 on a fixed global batch of 8 sequences: once on one process (rank 0, no process group), then
-at dp = 4 with ep = 1, 2 and 4, with both dispatchers. Every layout records each step's loss
-(mean over dp), gradient norm and every gradient gathered whole; rank 0 writes the largest
-relative differences from the one-process run to the JSON report.
+at dp = 4 with ep = 1, 2 and 4, with both dispatchers, and with ZeRO-1 and FSDP2 (also at tp 2
+x dp 2). Every layout records each step's loss (mean over dp), gradient norm, every gradient
+gathered whole (not under ZeRO-1, whose optimizer holds the reduced ones) and the weights
+after the last step; rank 0 writes the largest relative differences from the one-process run
+to the JSON report.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import torch
@@ -20,6 +23,7 @@ from hyperloom.accelerator import get_accelerator
 from hyperloom.config import load_config
 from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
 from hyperloom.parallel.mesh import ParallelMesh, exit_worker, parse_order
+from hyperloom.parallel.zero1 import ZeroOneAdamW
 from hyperloom.train.optim import build_optimizer
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 128
@@ -32,7 +36,19 @@ MODEL = ["--model.preset", "moe-tiny", "--model.vocab_size", str(VOCAB), "--mode
          "--model.moe_bias_rate", "0.01", "--data.seq_len", str(SEQ),
          "--precision.dtype", "fp32", "--train.device", "cpu", "--train.lr", "3e-3",
          "--train.grad_clip", "0.5"]  # fmt: skip
-LAYOUTS = [(1, "alltoall"), (2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather")]
+LAYOUTS = {  # name: (tp, ep, dispatcher, zero), dp = 4 / tp
+    "ep1-alltoall": (1, 1, "alltoall", 0),
+    "ep2-alltoall": (1, 2, "alltoall", 0),
+    "ep4-alltoall": (1, 4, "alltoall", 0),
+    "ep2-allgather": (1, 2, "allgather", 0),
+    "ep4-allgather": (1, 4, "allgather", 0),
+    "ep2-zero1": (1, 2, "alltoall", 1),
+    "ep4-zero1": (1, 4, "alltoall", 1),  # dp = ep: the experts' state is not sharded
+    "ep2-zero3": (1, 2, "alltoall", 3),
+    "ep4-zero3": (1, 4, "alltoall", 3),  # dp = ep: FSDP2 leaves the experts whole
+    "tp2-ep2-zero1": (2, 2, "alltoall", 1),
+    "tp2-ep2-zero3": (2, 2, "alltoall", 3),
+}
 
 
 def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -> dict:
@@ -54,7 +70,7 @@ def train(pm, cfg, rows: slice, tokens: torch.Tensor, loss_scale: float = 1.0) -
         norm = pm.reduce_and_clip(opt, cfg.train.grad_clip)
         grads = {}
         for name, p in pm.inner.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and not isinstance(opt, ZeroOneAdamW):
                 # a copy: DDP's gradients are views of its buckets, refilled every step
                 g = p.grad.detach().clone()
                 grads[name] = pm.whole(g, p)
@@ -76,14 +92,40 @@ def compare(ref: dict, got: dict) -> dict:
     (its norm of differences over its norm) over all steps, with the worst tensor's name."""
     loss = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"], strict=True))
     norm = max(abs(a - b) / abs(a) for a, b in zip(ref["norm"], got["norm"], strict=True))
-    grad, worst, names = 0.0, "", True
-    for g_ref, g_got in zip(ref["grads"], got["grads"], strict=True):
+    # ZeRO-1 records no gradients (its optimizer holds the reduced ones): None
+    grads = [(a, b) for a, b in zip(ref["grads"], got["grads"], strict=True) if b]
+    grad, worst, names = 0.0 if grads else None, "", True
+    for g_ref, g_got in grads:
         names = names and sorted(g_ref) == sorted(g_got)
         for n, a in g_ref.items():
             rel = ((a - g_got[n]).norm() / a.norm().clamp(min=1e-30)).item()
             if rel > grad:
                 grad, worst = rel, n
     return {"loss": loss, "norm": norm, "grad": grad, "worst": worst, "same_names": names}
+
+
+def whole_weights(pm) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective)."""
+    return {name: pm.whole(p, p) for name, p in pm.inner.named_parameters()}
+
+
+def weights_differ(ref: dict, got: dict) -> float:
+    """The largest relative difference of a tensor (norm of differences over its norm)."""
+    assert sorted(ref) == sorted(got)
+    return max(((a - got[n]).norm() / a.norm().clamp(min=1e-30)).item() for n, a in ref.items())
+
+
+def zero1_sharded(pm, cfg) -> bool | None:
+    """Under ZeRO-1: whether this rank's optimizer state holds 1/dp of the dense parameters
+    and 1/(dp / ep) of its ep rank's experts (None for other optimizers)."""
+    opt = build_optimizer(pm, cfg.train)
+    if not isinstance(opt, ZeroOneAdamW):
+        return None
+    dp = pm.mesh.size("dcp")
+    routed = sum(pm.inner.get_parameter(n).numel() for n in pm.experts.names)
+    dense = sum(p.numel() for p in pm.inner.parameters() if p.requires_grad) - routed
+    replicas = dp // dist.get_world_size(pm.experts.group)
+    return opt.shard == math.ceil(dense / dp) + math.ceil(routed / replicas)
 
 
 def learnable_tokens() -> torch.Tensor:
@@ -106,29 +148,34 @@ def main() -> None:
         mesh = ParallelMesh(
             dict.fromkeys(parse_order(cfg.parallel.order), 1), parse_order(cfg.parallel.order)
         )
-        ref = train(build_parallel_model(cfg, mesh, acc.device), cfg, slice(None), tokens)
+        one = build_parallel_model(cfg, mesh, acc.device)
+        ref = train(one, cfg, slice(None), tokens)
+        ref_weights = whole_weights(one)
     dist.barrier()
     report, ep1 = {}, None
-    for ep, dispatcher in LAYOUTS:
-        over = [
-            "--parallel.dp",
-            "4",
-            "--parallel.ep",
-            str(ep),
-            "--parallel.ep_dispatcher",
-            dispatcher,
-        ]
+    for name, (tp, ep, dispatcher, zero) in LAYOUTS.items():
+        over = ["--parallel.tp", str(tp), "--parallel.dp", str(4 // tp), "--parallel.ep", str(ep)]
+        over += ["--parallel.ep_dispatcher", dispatcher, "--parallel.zero", str(zero)]
         cfg = load_config(None, MODEL + over, world_size=4)
         pm = build_parallel_model(cfg, build_mesh(cfg.parallel, acc), acc.device)
-        experts = pm.inner.layers["1"].feed_forward.experts.w1.shape[0]
+        moe = pm.inner.layers["1"].feed_forward
+        w1 = moe.experts.w1  # under FSDP2 a DTensor: its shape is the one over dp
+        bias = moe.router.expert_bias
+        rows = BATCH // pm.mesh.size("dp")
         rank = pm.mesh.rank("dp")
-        got = train(pm, cfg, slice(rank * 2, rank * 2 + 2), tokens)
+        got = train(pm, cfg, slice(rank * rows, (rank + 1) * rows), tokens)
+        weights = whole_weights(pm)
+        sharded = zero1_sharded(pm, cfg)
         ep1 = ep1 or got  # plain data parallelism: what expert parallelism must not change
         if ref is not None:
-            report[f"ep{ep}-{dispatcher}"] = {
+            report[name] = {
                 **compare(ref, got),
                 "vs_ep1": compare(ep1, got),
-                "local_experts": experts,
+                "weights": weights_differ(ref_weights, weights),
+                "local_experts": w1.shape[0],
+                "held_experts": w1.to_local().shape[0] if hasattr(w1, "to_local") else None,
+                "bias_whole": not hasattr(bias, "to_local") and bool(bias.abs().sum() > 0),
+                "zero1_sharded": sharded,
             }
     if dist.get_rank() == 0:
         report["reference_loss"] = ref["loss"]

@@ -1,7 +1,7 @@
 """torchrun worker: FP8 training with tensor parallelism against one process, in one launch.
 
 Usage: torchrun --nproc-per-node 2 fp8_tp_worker.py OUT.json CASE [CASE ...], each CASE
-`recipe:sp` (e.g. `blockwise:1`) for the Llama model, or `recipe:0:deepseek` for the MoE
+`recipe:sp` (e.g. `blockwise:1`) for the Llama model, or `recipe:sp:deepseek` for the MoE
 preset's shape (MLA, a dense and an MoE layer, one MTP module; the loss is the model's own,
 main + MTP + balance). For each case every rank builds the tp = 2 model with
 `parallelize` (FP8 linears converted, then made tensor-parallel) and, on the side, the whole
@@ -80,6 +80,7 @@ def run_case(case: str, acc) -> dict:
         ref_loss.backward()
         loss = pm.module(x, labels=y) if deepseek else pm.loss(pm.module(x), y)
         loss.backward()
+        pm.sync_fp8_replicas(recent=1)  # as the trainer: sp's routed experts over tp
         pm.finish_grads()
         if step == 0:
             ref_grads, worst = dict(ref.named_parameters()), torch.zeros(())

@@ -1,7 +1,8 @@
 """Expert parallelism equals one process: losses, gradient norms and every gradient over 5
 steps at dp = 4 with ep = 1, 2, 4 and both dispatchers (`expert_parallel_worker.py`, one
 torchrun launch), and `hyperloom train` of the MoE preset with ep = 2 reproduces the
-one-process losses."""
+one-process losses, under DDP, ZeRO-1 (also with pp) and FSDP2, whose checkpoints resume in
+other layouts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import override_args
+
+from hyperloom import checkpoint as ckpt
 
 TOL = 1e-5  # fp32; the experts see the same rows in a different order and grouping
 LATER_STEPS_TOL = 5e-4  # steps 3-5 of the layouts against one process (assert_same_training)
@@ -33,15 +37,29 @@ def report(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize(
-    "layout", ["ep1-alltoall", "ep2-alltoall", "ep4-alltoall", "ep2-allgather", "ep4-allgather"]
+    "layout",
+    ["ep1-alltoall", "ep2-alltoall", "ep4-alltoall", "ep2-allgather", "ep4-allgather"]
+    + ["ep2-zero1", "ep4-zero1", "ep2-zero3", "ep4-zero3", "tp2-ep2-zero1", "tp2-ep2-zero3"],
 )
 def test_expert_parallel_equals_one_process(report, layout):
+    """ZeRO-1 and FSDP2 shard the experts over their replicas (dp / ep ranks): the gradients
+    (FSDP2's), the gradient norm (each expert counted once) and the weights after five
+    steps are one process's; the routing biases stay whole."""
     r = report[layout]
-    assert r["local_experts"] == 8 // int(layout[2])  # each rank really holds E / ep experts
+    ep = int(layout.partition("ep")[2][0])
+    assert r["local_experts"] == 8 // ep  # each rank really holds E / ep experts
     assert r["same_names"]
     for key in ("loss", "norm", "grad"):
+        if r[key] is None:  # ZeRO-1 keeps the reduced gradients in its flat shards
+            continue
         worst = f" ({r['worst']})" if key == "grad" else ""
         assert r[key] <= TOL, f"{layout}: {key} differs by {r[key]:.2e} (relative){worst}"
+    assert r["weights"] <= WEIGHTS_TOL, f"{layout}: weights differ by {r['weights']:.2e}"
+    if layout.endswith("zero3"):  # FSDP2 splits an ep rank's experts over its dp / ep replicas
+        dp = 4 // int(layout[2]) if layout.startswith("tp") else 4
+        held = 8 // dp if dp > ep else None  # None: left whole (no replicas to shard over)
+        assert r["held_experts"] == held and r["bias_whole"], r
+    assert r["zero1_sharded"] is (True if layout.endswith("zero1") else None)
     # The reference trained: it is a real comparison, not of two untrained models.
     assert report["reference_loss"][-1] < report["reference_loss"][0]
 
@@ -166,3 +184,78 @@ def test_moe_tensor_parallel_trains_like_one_process(tiny_job_args, tmp_path, np
     one = _train(tiny_job_args, tmp_path / "one", 1, train__micro_batch_size=4)
     tp = _train(tiny_job_args, tmp_path / "tp", nproc, **layout)
     assert_same_training(one, tp)
+
+
+# ZeRO-1 and FSDP2 with ep at dp4 x ep2 (and ZeRO-1 under pp), each saving at step 3 (FSDP2
+# in the sharded format): one torchrun launch of 4 ranks (`jobs_worker.py`), in which FSDP2
+# at ep4 (dp x cp = ep: the experts stay whole) resumes the ZeRO-1 run; one process then
+# trains the reference and resumes both dp4 x ep2 checkpoints.
+SHARDED_EP = {
+    "dp4-ep2-zero1": {"parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 1},
+    "dp4-ep2-zero3": {
+        "parallel__dp": 4,
+        "parallel__ep": 2,
+        "parallel__zero": 3,
+        "checkpoint__format": "sharded",
+    },
+    "pp2-dp2-ep2-zero1": {
+        "parallel__pp": 2,
+        "parallel__dp": 2,
+        "parallel__ep": 2,
+        "parallel__zero": 1,
+        "parallel__microbatches": 2,
+    },
+}
+RESUMED = {  # name: (the run whose step-3 checkpoint it resumes, its layout, ranks)
+    "dp4-ep4-zero3-from-zero1": (
+        "dp4-ep2-zero1",
+        {"parallel__dp": 4, "parallel__ep": 4, "parallel__zero": 3},
+        4,
+    ),
+    "one-from-zero1": ("dp4-ep2-zero1", {"train__micro_batch_size": 4}, 1),
+    "one-from-zero3": ("dp4-ep2-zero3", {"train__micro_batch_size": 4}, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def sharded_ep(tiny_job_args, jobs_train, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ep-sharded")
+    job = tiny_job_args(out / "unused", **{**MOE_TINY, "checkpoint__every": 3})
+    cases: dict[int, list] = {4: [], 1: [("one", override_args(train__micro_batch_size=4))]}
+    for name, layout in SHARDED_EP.items():
+        cases[4].append((name, override_args(train__micro_batch_size=1, **layout)))
+    for name, (source, layout, world) in RESUMED.items():
+        resume = ckpt.checkpoint_dir(out / f"w4/{source}", 3)
+        over = override_args(**{"train__micro_batch_size": 1, **layout}, checkpoint__resume=resume)
+        cases[world].append((name, over))
+    for world in (4, 1):  # the resumed runs read the world-4 checkpoints
+        result = jobs_train(out / f"w{world}", world, job, cases[world])
+        assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "train"]
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED_EP))
+def test_sharded_data_parallel_with_ep_trains_like_one_process(sharded_ep, name):
+    """ZeRO-1 shards the experts' state over their replicas (dp / ep ranks) and the rest over
+    dp; FSDP2 shards the expert banks over those replicas and keeps the routing biases whole.
+    Both reduce the experts' gradients to the one-process ones and count every expert once
+    in the gradient norm (1e-5 for steps 1-2)."""
+    one = _records(sharded_ep / "w1" / "one")
+    assert_same_training(one, _records(sharded_ep / "w4" / name))
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_sharded_ep_checkpoint_resumes_in_other_layouts(sharded_ep, name):
+    """Steps 4-5 resumed from a dp4 x ep2 ZeRO-1 checkpoint (whole tensors by global name) or
+    an FSDP2 one (sharded: DCP reshards) in one process or at another ep go on as the
+    uninterrupted one-process run (dropping the Adam moments moves step 5's loss by 2e-3)."""
+    source, _, world = RESUMED[name]
+    one = _records(sharded_ep / "w1" / "one")
+    resumed = _records(sharded_ep / f"w{world}" / name)
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert_same_training(one[3:], resumed)

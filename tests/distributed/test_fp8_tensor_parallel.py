@@ -24,8 +24,9 @@ MXFP8 (power-of-two scales) mostly do not flip. Rowwise
 measured: losses equal, first-step gradients <= 2e-7 (with exact, non-power-of-two row
 scales the gradients were 2% apart after one step).
 
-The DeepSeek family (`recipe:0:deepseek`: MLA, a dense and an MoE layer, an MTP module,
-vocabulary 128): the MLA down-projections run replicated and sum their output gradient over
+The DeepSeek family (`recipe:sp:deepseek`: MLA, a dense and an MoE layer, an MTP module,
+vocabulary 128; under sp the routed experts see this rank's tokens and their delayed
+histories are reduced over tp, `sync_fp8_replicas`): the MLA down-projections run replicated and sum their output gradient over
 tp before their backward, so their FP8 quantization of it is the whole tensor's, as in one
 process. First-step gradients measured <= 2.2e-7 for delayed, rowwise and MXFP8. With the
 partial weight gradients summed after backward instead (the plan before), each rank
@@ -58,7 +59,8 @@ RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 # moe-tiny's MLA shards are whole 32-wide blocks, not 128-wide ones: no blockwise for it here.
 # No current scaling or MXFP8 either (see the module doc).
 DEEPSEEK = ("none", "delayed", "rowwise")
-CASES = [f"{r}:{sp}" for r in RECIPES for sp in (0, 1)] + [f"{r}:0:deepseek" for r in DEEPSEEK]
+CASES = [f"{r}:{sp}" for r in RECIPES for sp in (0, 1)]
+CASES += [f"{r}:{sp}:deepseek" for r in DEEPSEEK for sp in (0, 1)]
 # Per model, the tensor-parallel FP8 linears and all FP8 layers (DeepSeek's also: wq_a and
 # wkv_a replicated, and the routed experts, per layer and MTP block).
 FP8_TP_LAYERS = {"llama": 14, "deepseek": 18}

@@ -1,5 +1,6 @@
-"""Resharding is exact: model and Adam state go tp2 x dp2 (ZeRO-1) -> dp4 (FSDP2) -> tp2 x dp2
-and come back bitwise equal (`reshard_worker.py`, one torchrun launch of 4 ranks)."""
+"""Resharding is exact: model and Adam state go tp2 x dp2 (ZeRO-1) -> dp4 (FSDP2) -> tp2 x dp2,
+and a MoE's dp4 x ep2 (ZeRO-1) -> dp4 x ep2 (FSDP2) -> dp4 x ep4 (ZeRO-1) -> one process, and
+come back bitwise equal (`reshard_worker.py`, one torchrun launch of 4 ranks)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,8 @@ def test_state_round_trip_across_layouts_is_bitwise(tmp_path):
     assert report["same_names"] and report["tensors"] > 40  # weights, exp_avg, exp_avg_sq, step
     assert report["differ_after_dp4"] == []
     assert report["differ_after_back"] == []
+    # a DeepSeek MoE: dp4 x ep2 ZeRO-1 -> FSDP2 -> ep4 ZeRO-1 -> one process
+    experts = report["experts"]
+    assert experts["tensors"] > 100 and experts["biases_moved"], experts
+    for key in ("differ_after_fsdp", "differ_after_ep4", "differ_one_process"):
+        assert experts[key] == [], (key, experts[key])

@@ -227,11 +227,20 @@ def test_expert_parallel_validation():
     # A dense model has no experts to split.
     assert any("needs a Mixture-of-Experts model" in p for p in info.value.problems)
     moe = {"model": {"preset": "moe-tiny"}}
+    # ZeRO-1 and FSDP2 shard the experts over their replicas (and FSDP2 keeps the routing
+    # biases whole), with and without ep; FSDP2 under pp stays refused for every family.
+    for ep, zero in ((4, 1), (2, 3), (1, 3)):
+        cfg = config_from_dict({**moe, "parallel": {"dp": 4, "ep": ep, "zero": zero}}, world_size=4)
+        assert (cfg.parallel.ep, cfg.parallel.zero) == (ep, zero)
+    cfg = config_from_dict(
+        {**moe, "parallel": {"pp": 2, "dp": 2, "ep": 2, "zero": 1}}, world_size=4
+    )
+    assert cfg.parallel.pp == 2
     with pytest.raises(ConfigError) as info:
-        config_from_dict({**moe, "parallel": {"dp": 4, "ep": 4, "zero": 1}}, world_size=4)
+        config_from_dict({**moe, "parallel": {"pp": 2, "dp": 2, "ep": 2, "zero": 3}}, world_size=4)
     assert info.value.problems == [
-        "parallel.ep = 4 with parallel.zero = 1 is not built yet: the sharded optimizers "
-        "would mix different ranks' experts; use zero 0 (DDP)"
+        "parallel.zero = 3 with parallel.pp > 1: FSDP under pipeline parallelism is not "
+        "built yet; use zero 0 or 1"
     ]
     with pytest.raises(ConfigError, match=r"n_routed_experts \(16\) must be divisible"):
         config_from_dict({**moe, "parallel": {"dp": 6, "ep": 6}}, world_size=6)

@@ -129,15 +129,17 @@ def test_param_counts(name):
         (["--model.moe_top_k", "17"], "model.moe_top_k (17) must lie in [1"),
         (["--model.qk_rope_head_dim", "7"], "qk_rope_head_dim must be positive and even"),
         (
-            ["--parallel.tp", "2", "--parallel.sp", "true"],
-            "parallel.sp = true with model.family = 'deepseek' is not built yet",
+            ["--parallel.tp", "2", "--parallel.sp", "true", "--data.seq_len", "255"],
+            "data.seq_len (255) is not divisible by parallel.tp (2)",
         ),
         (
             ["--parallel.tp", "2", "--precision.fp8", "blockwise"],
             "(qk_nope_head_dim + qk_rope_head_dim) (wq_b rows) = 192 splits into shards of 96",
         ),
-        (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero", "1"], "is not built yet"),
-        (["--parallel.dp", "2", "--parallel.ep", "3"], "parallel.ep (3) must divide dp x cp (2 x 1)"),
+        (
+            ["--parallel.dp", "2", "--parallel.ep", "3"],
+            "parallel.ep (3) must divide dp x cp (2 x 1)",
+        ),
         (["--model.family", "llama"], "model.n_routed_experts needs model.family = 'deepseek'"),
         (["--model.qk_norm", "true"], "model.qk_norm is built for model.family = 'llama'"),
     ],

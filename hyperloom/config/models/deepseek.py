@@ -81,11 +81,6 @@ def deepseek_problems(job: JobConfig) -> list[str]:
         out.extend(_expert_parallel_problems(job))
     if par.tp > 1:
         out.extend(_tensor_parallel_problems(job))
-    if par.zero == 3 and par.dp > 1:
-        out.append(
-            "parallel.zero = 3 with model.family = 'deepseek': FSDP would shard the routing "
-            "biases that balancing updates in place; not built yet, use zero 0 or 1"
-        )
     if m.qk_norm:
         out.append(
             "model.qk_norm is built for model.family = 'llama'; MLA (family 'deepseek') "
@@ -180,7 +175,8 @@ def _moe_problems(m: ModelConfig) -> list[str]:
 
 
 def _expert_parallel_problems(job: JobConfig) -> list[str]:
-    """ep > 1 for an MoE model: the experts split evenly; DDP (zero 0) reduces the rest."""
+    """ep > 1 for an MoE model: the experts split evenly (DDP, ZeRO-1 and FSDP2 reduce and
+    shard them over their own replicas)."""
     m, par = job.model, job.parallel
     out = []
     if m.n_routed_experts % par.ep:
@@ -188,29 +184,19 @@ def _expert_parallel_problems(job: JobConfig) -> list[str]:
             f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep "
             f"({par.ep}): each expert-parallel rank holds n_routed_experts / ep experts"
         )
-    if par.zero != 0:
-        out.append(
-            f"parallel.ep = {par.ep} with parallel.zero = {par.zero} is not built yet: the "
-            f"sharded optimizers would mix different ranks' experts; use zero 0 (DDP)"
-        )
     return out
 
 
 def _tensor_parallel_problems(job: JobConfig) -> list[str]:
-    """tp > 1 (hyperloom.models.deepseek.plan): heads and the shared experts' width split; no
-    sequence parallelism for this family yet."""
-    m, par, tp = job.model, job.parallel, job.parallel.tp
+    """tp > 1 (hyperloom.models.deepseek.plan): heads and the shared experts' width split
+    (sp's sequence divisibility is checked with Llama's, in config.parallel)."""
+    m, tp = job.model, job.parallel.tp
     out = []
     shared = m.n_shared_experts * m.moe_ffn_dim
     if m.n_routed_experts and shared % tp:
         out.append(
             f"model.n_shared_experts * model.moe_ffn_dim ({shared}) is not divisible by "
             f"parallel.tp ({tp}): the shared experts' SwiGLU width splits over tp"
-        )
-    if par.sp:
-        out.append(
-            "parallel.sp = true with model.family = 'deepseek' is not built yet: the MoE "
-            "router, balance losses and MLA would see a slice of each sequence; use sp = false"
         )
     return out
 

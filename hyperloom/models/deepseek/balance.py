@@ -30,12 +30,16 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor, group=None) -> torch.Tensor:
+def balance_loss(
+    scores: torch.Tensor, experts: torch.Tensor, group=None, sequence=None
+) -> torch.Tensor:
     """Σ_i f_i P_i averaged over rows: scores (n, T, E) affinities, experts (n, T, k) ids.
 
     `group` (context parallelism): the T tokens of each row are spread over its ranks, so
     the counts and affinity sums are summed over it first (the affinities' sum with its
-    gradient), which makes f and P those of the whole rows on every rank."""
+    gradient), which makes f and P those of the whole rows on every rank. `sequence`
+    (sequence parallelism, a `SequenceShard`): likewise over the tp ranks, whose loss is one
+    loss computed alike on each, so that sum's backward is the identity."""
     n, t, n_experts = scores.shape
     k = experts.shape[-1]
     hits = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (n, T, E) one-hot of top-k
@@ -45,6 +49,9 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, group=None) -> tor
         dist.all_reduce(counts, group=group)
         p = dist_nn.all_reduce(p, group=group)  # backward: the ranks' gradients summed
         t *= dist.get_world_size(group)
+    if sequence is not None:
+        counts, p = sequence.sum(counts), sequence.sum(p)
+        t *= sequence.size
     f = counts * (n_experts / (k * t))
     return (f * p / t).sum(-1).mean()
 
@@ -57,18 +64,23 @@ def aux_losses(
     batch_alpha: float = 0.0,
     z_weight: float = 0.0,
     group=None,
+    sequence=None,
 ) -> torch.Tensor | None:
     """The weighted sum of the enabled losses (None if none is): scores (b, s, E), experts
-    (b, s, k), logits (b * s, E); `group`: the context-parallel ranks sharing each sequence."""
+    (b, s, k), logits (b * s, E); `group`: the context-parallel ranks sharing each sequence;
+    `sequence`: the sequence-parallel `SequenceShard`, whose ranks' loss is the whole one."""
     total = None
     if seq_alpha > 0:
-        total = seq_alpha * balance_loss(scores, experts, group)
+        total = seq_alpha * balance_loss(scores, experts, group, sequence)
     if batch_alpha > 0:
         flat = scores.flatten(0, 1)[None], experts.flatten(0, 1)[None]
-        term = batch_alpha * balance_loss(*flat, group)
+        term = batch_alpha * balance_loss(*flat, group, sequence)
         total = term if total is None else total + term
     if z_weight > 0:
-        term = z_weight * torch.logsumexp(logits, dim=-1).square().mean()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        if sequence is not None:  # the mean over the tp ranks' equal slices
+            z = sequence.sum(z) / sequence.size
+        term = z_weight * z
         total = term if total is None else total + term
     return total
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,6 +98,7 @@ class DeepSeekV3(nn.Module):
         self.context = None  # context parallelism: weights the loss over the cp ranks
         # ... whose slot leaves the MTP modules on whole sequences (`_mtp_loss`)
         self.whole_sequence_modules = ("mtp",)
+        self.sequence = None  # sequence parallelism: the MTP gathers its inputs over tp
         self.expert_load: dict[str, float] = {}  # layer -> max/mean load of the last step
 
     use_ops = Llama.use_ops  # select the operator implementations of every module
@@ -182,20 +184,31 @@ class DeepSeekV3(nn.Module):
         The input tokens t_{i+k} are read from the labels (label i is token i + 1), so the
         MTP modules need no token ids: on the last pipeline stage they only have the labels.
         """
+        whole = self.sequence is not None
+        if whole:
+            # Sequence parallelism: the MTP modules run tensor-parallel on whole sequences
+            # (no sp), alike on every tp rank, so h's gradient is whole on each.
+            h = self.sequence.gather(h)
         if self.context is not None:
             # Context parallelism: token i + k may sit on another rank, so every cp rank runs
             # the MTP modules on the whole sequences, gathered (their loss is then the same on
             # each, and the gather's backward sums h's gradient over the ranks).
             h, labels = self.context.gather_sequence(h), self.context.gather_sequence(labels)
         seq, depth = labels.shape[1], len(self.mtp)
+        if whole:  # the sequence-parallel embedding returns slices: embed once, gather
+            embedded = self.sequence.gather(self.tok_embeddings(labels))  # (b, seq, dim)
         losses = []
         for k, module in enumerate(self.mtp.values(), start=1):
             n = seq - k  # positions i with an input token t_{i+k} and a target t_{i+k+1}
             if n <= 0:
                 break
-            emb = self.tok_embeddings(labels[:, k - 1 : k - 1 + n])  # (b, n, dim): t_{i+k}
+            if whole:
+                emb = embedded[:, k - 1 : k - 1 + n]
+            else:
+                emb = self.tok_embeddings(labels[:, k - 1 : k - 1 + n])  # (b, n, dim): t_{i+k}
             h = module(module.merge(emb, h[:, :n]), cos, sin)  # (b, n, dim)
-            losses.append(self.loss(module.norm(h), labels[:, k:]))  # targets t_{i+k+1}
+            # targets t_{i+k+1}
+            losses.append(self.loss(module.norm(h), labels[:, k:], whole_sequence=whole))
         if not losses:
             return torch.zeros((), device=h.device)
         return self.cfg.mtp_loss_weight / depth * torch.stack(losses).sum()
@@ -214,11 +227,18 @@ class DeepSeekV3(nn.Module):
 
     @torch.no_grad()
     def after_optimizer_step(self, group=None) -> dict[str, float]:
-        """Balance after an optimizer step: loads summed over `group` (data parallel), biases
+        """Balance after an optimizer step: loads summed over `group` (data parallel; and
+        over tp for layers on sequence slices), biases
         moved by ±moe_bias_rate, per-layer max/mean load kept in `expert_load` and returned."""
         layers = {n: m for n, m in self.moe_layers().items() if m.counts is not None}
         if not layers:
             return {}
+        sliced = [m for m in layers.values() if m.sequence is not None]
+        if sliced:  # sequence parallelism: each tp rank counted its slice of the tokens
+            loads = torch.stack([m.counts for m in sliced])
+            dist.all_reduce(loads, group=sliced[0].sequence.group)
+            for m, load in zip(sliced, loads, strict=True):
+                m.counts = load
         loads = balance.update_bias(
             [m.router.expert_bias for m in layers.values()],
             [m.counts for m in layers.values()],

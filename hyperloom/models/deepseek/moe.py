@@ -94,6 +94,9 @@ class MoE(nn.Module):
         self.counts: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
         self.context = None  # context parallelism: balance losses over whole sequences
+        # sequence parallelism: x holds this rank's 1/tp of each sequence; loads and balance
+        # losses are reduced over tp
+        self.sequence = None
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments an expert may take (the whole batch's when dropless)."""
@@ -119,14 +122,14 @@ class MoE(nn.Module):
         token = order // k  # (N,) source token of each kept assignment
         out = self.experts(flat[token], counts)  # (N, dim)
         out = out * r.weights.flatten()[order, None].to(out.dtype)
-        y = torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype))
+        y = torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype)).view(b, s, d)
         if self.shared is not None:
-            y = y + self.shared(flat)
+            y = y + self.shared(x)  # (b, s, dim): sequence-parallel like a dense SwiGLU
         if self.training:
             self._track(r, b, s)
         else:
             self.aux_loss = None
-        return y.view(b, s, d)  # (batch, seq, dim)
+        return y  # (batch, seq, dim)
 
     def _track(self, r: Routing, b: int, s: int) -> None:
         """Accumulate this micro-batch's expert loads; compute its auxiliary losses."""
@@ -146,6 +149,7 @@ class MoE(nn.Module):
             batch_alpha=c.moe_aux_alpha,
             z_weight=c.moe_z_loss,
             group=None if self.context is None else self.context.group,
+            sequence=self.sequence,
         )
         if not replay:
             self.aux_loss = aux_loss

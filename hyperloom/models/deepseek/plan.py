@@ -1,15 +1,24 @@
 """Parallel plans for the DeepSeek family.
 
-**Tensor parallelism** (`tp_plan`; no sequence parallelism). MLA splits by heads as Megatron
-does: wq_b (or wq) and wkv_b column-parallel, wo row-parallel. The low-rank down-projections
-wq_a, wkv_a run replicated and feed only this rank's heads, so their output gradient is a
-partial sum; it is summed over tp right there ("tp_output_grad"), before their backward:
-their weight and input gradients are then whole, FP8 quantizes the whole gradient as one
-process does, and the all-reduce carries the latent width instead of dim. The latent norms
-between that sum and the up-projections sum their weight gradients after backward
-("tp_partial_grad"). Without q_lora, wq sums its own input gradient ("colwise_tp_input").
-Dense layers and shared experts split like Llama's SwiGLU; routed experts and the router run
-replicated on every tp rank, and expert parallelism (over dp) divides them.
+**Tensor parallelism** (`tp_plan`). MLA splits by heads as Megatron does: wq_b (or wq) and
+wkv_b column-parallel, wo row-parallel. The low-rank down-projections wq_a, wkv_a run
+replicated and feed only this rank's heads, so their output gradient is a partial sum; it is
+summed over tp right there ("tp_output_grad"), before their backward: their weight and input
+gradients are then whole, FP8 quantizes the whole gradient as one process does, and the
+all-reduce carries the latent width instead of dim. The latent norms between that sum and the
+up-projections sum their weight gradients after backward ("tp_partial_grad"). Without q_lora,
+wq sums its own input gradient ("colwise_tp_input"). Dense layers and shared experts split
+like Llama's SwiGLU; routed experts and the router run replicated on every tp rank, and
+expert parallelism (over dp) divides them.
+
+**Sequence parallelism** (`parallel.sp`): the residual stream and norms hold 1/tp of each
+sequence, as Llama's. MLA gathers its input ("sp_gather"): its consumers' input gradients are
+whole already (the sums above), so the gather's backward keeps this rank's slice instead of a
+reduce-scatter; wo reduce-scatters. The MoE layer routes only this rank's tokens: the router's
+and routed experts' weight gradients are partial sums over tp ("sp_partial_grad"), its loads
+and balance losses are reduced over tp (`MoE.sequence`), and the shared experts gather and
+reduce-scatter like a dense SwiGLU. The MTP modules run on whole sequences, tensor-parallel
+without sp (`whole_sequence_modules`; token i + k may sit on another rank).
 
 **Pipeline parallelism** cuts like Llama's, except that the MTP modules live on the last
 stage with the output head (arXiv 2412.19437 §3.2.2) and a copy of the embedding, whose
@@ -27,6 +36,7 @@ if TYPE_CHECKING:  # the registry imports this module; `model info` needs no tor
     from torch import nn
 
 _MLA = {
+    "attention": "sp_gather",  # under sp: the input gathered for the down-projections
     "attention.wq_a": "tp_output_grad",
     "attention.q_norm": "tp_partial_grad",
     "attention.wkv_a": "tp_output_grad",
@@ -61,7 +71,8 @@ def recompute_plan(cfg: ModelConfig) -> dict[str, list]:
 
 def tp_plan(cfg: ModelConfig) -> dict[str, str]:
     """Module path pattern -> tensor-parallel style for this model's shape (see above)."""
-    plan = {"tok_embeddings": "vocab_embedding", "output": "vocab_head"}
+    plan = {"tok_embeddings": "vocab_embedding", "output": "vocab_head", "norm": "sp_norm"}
+    plan.update({f"layers.*.{n}": "sp_norm" for n in ("attention_norm", "ffn_norm")})
     q_up = (
         {"attention.wq_b": "colwise"} if cfg.q_lora_rank else {"attention.wq": "colwise_tp_input"}
     )
@@ -77,6 +88,8 @@ def tp_plan(cfg: ModelConfig) -> dict[str, str]:
         plan.update({f"{block}.feed_forward{k}": v for k, v in _SWIGLU.items()})
     if cfg.n_routed_experts and cfg.n_shared_experts:
         plan.update({f"*.feed_forward.shared{k}": v for k, v in _SWIGLU.items()})
+    if cfg.n_routed_experts:  # under sp they see only this rank's tokens
+        plan.update({f"*.feed_forward.{n}": "sp_partial_grad" for n in ("router", "experts")})
     return plan
 
 

@@ -308,11 +308,17 @@ class Llama(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, vocab)
         return self.output(h)  # (b, s, vocab), or a vocab shard under tensor parallelism
 
-    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of the head on final hidden states h (b, s, dim)."""
+    def loss(
+        self, h: torch.Tensor, labels: torch.Tensor, whole_sequence: bool = False
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy of the head on final hidden states h (b, s, dim).
+        `whole_sequence`: h holds whole sequences even under sequence parallelism (DeepSeek's
+        MTP)."""
         parallel_loss = getattr(self.output, "loss", None)
         if parallel_loss is not None:  # a vocab-parallel head brings its own (tensor_parallel)
-            loss = parallel_loss(h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens)
+            loss = parallel_loss(
+                h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens, whole_sequence
+            )
         else:
             weight = self.tok_embeddings.weight if self.output is None else self.output.weight
             loss = ops.linear_cross_entropy(

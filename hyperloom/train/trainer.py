@@ -33,7 +33,7 @@ from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.registry import family
-from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed
+from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed, overlap
 from hyperloom.parallel.context_parallel import context_shard
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
@@ -474,10 +474,17 @@ class Trainer:
         train_time = 0.0
         reporter.start(first_step)
         self.guard.attach(reporter.event)
+        a2a = [0.0, 0.0, 0]  # expert all-to-all: exposed s, in flight s, steps since logged
         try:
             self.guard.start(self.step)  # restart-loop guard, watchdog
             while self.step < end_step:
+                overlap.STATS.reset()
                 loss, grad_norm = self.train_step()
+                a2a = [
+                    a2a[0] + overlap.STATS.exposed_s,
+                    a2a[1] + overlap.STATS.in_flight_s,
+                    a2a[2] + 1,
+                ]
                 window.add(loss, self.tokens_per_step)
                 reporter.step(self.step)
                 if self.step % lg.log_every == 0 or self.step == end_step:
@@ -498,6 +505,12 @@ class Trainer:
                     if load:  # MoE: max/mean tokens per expert of the last step, per layer
                         record["expert_load"] = load
                         record["expert_load_max"] = max(load.values())
+                    if cfg.parallel.ep > 1 and cfg.parallel.ep_dispatcher == "alltoall":
+                        # this rank's dispatch/combine all-to-all per step: waited for
+                        # (exposed) and start to end (parallel.ep_overlap hides the gap)
+                        record["a2a_exposed_s"] = a2a[0] / a2a[2]
+                        record["a2a_in_flight_s"] = a2a[1] / a2a[2]
+                    a2a = [0.0, 0.0, 0]
                     reporter.train_metrics(record, t.steps, peak)
                 self.guard.after_step()  # rollback or stop, drills, watchdog heartbeat
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:

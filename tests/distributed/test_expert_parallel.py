@@ -119,6 +119,9 @@ def test_moe_tiny_trains_with_ep2_like_one_process(tiny_job_args, tmp_path):
         parallel__ep=2,
     )
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4, 5]
+    # each step's expert all-to-all time, and the part of it the rank waited for
+    assert all(0 < r["a2a_exposed_s"] <= r["a2a_in_flight_s"] for r in two)
+    assert "a2a_exposed_s" not in one[0]
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (a["step"], key, a[key], b[key])

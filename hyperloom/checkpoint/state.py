@@ -20,8 +20,16 @@ from hyperloom.parallel.zero1 import ZeroOneAdamW
 
 
 def _place(full: torch.Tensor, like: torch.Tensor, shard: Shard | None) -> torch.Tensor:
-    """This rank's piece of `full`, shaped and placed like `like`."""
-    piece = full if shard is None else shard.piece(full)
+    """This rank's piece of `full`, shaped and placed like `like`.
+
+    A shard's piece is copied into contiguous storage of its own: `Shard.piece` is a view into
+    `full`, strided when split along a dimension other than 0 (row-parallel weights), and fused
+    AdamW walks its state as if it were laid out like the contiguous parameter, so Adam moments
+    loaded as such views updated the wrong elements; any view would also keep the whole tensor
+    alive on every rank."""
+    piece = full
+    if shard is not None:
+        piece = shard.piece(full).clone(memory_format=torch.contiguous_format)
     if hasattr(like, "device_mesh"):  # DTensor
         from torch.distributed.tensor import distribute_tensor
 

@@ -133,17 +133,19 @@ def train_jobs(
     job: list[str],
     cases: list[tuple[str, list[str]]],
     timeout: float = 1200,
+    shapes: bool = False,
 ) -> subprocess.CompletedProcess:
     """Train every case of `job` in one launch of `tests/distributed/jobs_worker.py`: under
     torchrun with `nproc` processes, or as one plain process for `nproc = 1` (as the CLI
-    runs `--nproc 1`). Case NAME trains into OUT/NAME (a run dir in `job` is dropped)."""
+    runs `--nproc 1`). Case NAME trains into OUT/NAME (a run dir in `job` is dropped);
+    `shapes`: each rank also writes its parameters' shapes there (`jobs_worker.py`)."""
     if "--logging.run_dir" in job:
         i = job.index("--logging.run_dir")
         job = job[:i] + job[i + 2 :]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "jobs.json"
-    spec.write_text(json.dumps({"out": str(out), "job": job, "cases": cases}))
+    spec.write_text(json.dumps({"out": str(out), "job": job, "cases": cases, "shapes": shapes}))
     worker = Path(__file__).parent / "distributed" / "jobs_worker.py"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(worker), str(spec)]

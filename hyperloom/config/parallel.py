@@ -51,6 +51,12 @@ class ParallelConfig:
         "DualPipe's F&B pairs and the forward-backward pairs of interleaved and zb-v steady "
         "states run as two alternating lanes (numbers unchanged)",
     )
+    etp: int = knob(
+        1,
+        "expert tensor-parallel degree: each routed expert's hidden width split over "
+        "consecutive runs of etp ranks inside each tp group (must divide tp; 1 = experts "
+        "replicated over tp)",
+    )
     sp: bool = knob(False, "sequence parallel: split norms/residuals along the sequence over tp")
     zero: int = knob(
         0,
@@ -77,6 +83,7 @@ class ParallelConfig:
     def invalid_degrees(self) -> list[str]:
         """Names of the degrees below 1 (the other checks need them all >= 1)."""
         degrees = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        degrees["etp"] = self.etp
         return [k for k, v in degrees.items() if v < 1]
 
     def problems(self, job: JobConfig, world_size: int | None = None) -> list[str]:
@@ -92,6 +99,7 @@ class ParallelConfig:
             ]
         p = _tensor_parallel_problems(job) + _pipeline_problems(job)
         p += _context_parallel_problems(job) + _overlap_problems(job)
+        p += _expert_tensor_parallel_problems(job)
         world = world_size_from_env() if world_size is None else world_size
         dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         product = self.dp * self.tp * self.pp * self.cp
@@ -291,6 +299,60 @@ def _overlap_problems(job: JobConfig) -> list[str]:
             f"= '{job.train.recompute}' is not supported: a recomputing lane sets the shared "
             f"RNG to its saved state while the other lane draws masks; drop one of the three"
         )
+    return out
+
+
+def _expert_tensor_parallel_problems(job: JobConfig) -> list[str]:
+    """etp > 1 (`hyperloom.parallel.expert_tensor_parallel`): a divisor of tp, an MoE model
+    whose experts' hidden width splits into etp parts, and the combinations not built yet."""
+    m, par, etp = job.model, job.parallel, job.parallel.etp
+    if etp == 1:
+        return []
+    out = []
+    if par.tp % etp:
+        out.append(
+            f"parallel.etp ({etp}) must divide parallel.tp ({par.tp}): the expert tensor-"
+            f"parallel groups are consecutive runs of etp ranks inside each tp group"
+        )
+    if m.n_routed_experts <= 0:
+        out.append(
+            f"parallel.etp = {etp} splits routed experts: it needs a Mixture-of-Experts model "
+            f"(model.n_routed_experts > 0)"
+        )
+    elif m.moe_ffn_dim % etp:
+        out.append(
+            f"model.moe_ffn_dim ({m.moe_ffn_dim}) is not divisible by parallel.etp ({etp}): "
+            f"each expert tensor-parallel rank holds a whole share of every expert's hidden "
+            f"width, {m.moe_ffn_dim} / {etp} = {m.moe_ffn_dim / etp:.4g}"
+        )
+    refused = {
+        "parallel.sp": (
+            par.sp,
+            "under sequence parallelism each tp rank routes other tokens (gathering the rows "
+            "over etp is not built yet); use parallel.sp = false or parallel.etp = 1",
+        ),
+        f"parallel.zero = {par.zero}": (
+            par.zero == 3,
+            "FSDP2 over etp-split experts is not built yet; use parallel.zero = 0 or 1",
+        ),
+        f"precision.fp8 = '{job.precision.fp8}'": (
+            job.precision.fp8 != "none",
+            "FP8 expert GEMMs on an etp slice (amax reductions over etp) are not built yet; "
+            "use precision.fp8 = 'none' or parallel.etp = 1",
+        ),
+        "parallel.ep_overlap": (
+            par.ep_overlap,
+            "the overlapped lanes do not carry the etp all-reduces yet; use one of the two",
+        ),
+        "checkpoint.format = 'sharded'": (
+            job.checkpoint.format == "sharded",
+            "sharded checkpoints of etp-split experts are not built yet; use "
+            "checkpoint.format = 'whole' (it loads into any etp)",
+        ),
+    }
+    for what, (bad, why) in refused.items():
+        if bad:
+            out.append(f"parallel.etp = {etp} with {what} is not supported: {why}")
     return out
 
 

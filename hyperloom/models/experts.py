@@ -6,6 +6,12 @@ expert GEMMs run through the engine's grouped FP8 linear, each expert with its o
 delayed-scaling state (expert dimension first, so expert parallelism splits it like the
 weights). It lives outside any family because expert parallelism swaps every bank for one
 holding this rank's E / ep experts.
+
+Expert tensor parallelism (`parallel.etp`) splits each expert's hidden width over a group of
+ranks (w1, w3 column-parallel, w2 row-parallel) and sets `hidden_split`, an object whose
+`enter` makes the rows' gradient whole over that group (identity forward) and whose `leave`
+sums the partial outputs (identity backward): Megatron's column/row pair around the bank.
+The model code cannot import `hyperloom.parallel`, which provides it.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class Experts(Fp8State, nn.Module):
         self.fp8_activation = False
         self.register_buffer("fp8_amax_history", None)  # delayed scaling only (enable_fp8)
         self.register_buffer("fp8_scale", None)
+        self.hidden_split = None  # expert tensor parallelism: enter(x), leave(partial out)
 
     def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
         """Run the expert GEMMs in FP8 with `recipe` (called by `convert_to_fp8`). Delayed
@@ -98,6 +105,13 @@ class Experts(Fp8State, nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) holding counts[e] consecutive rows for expert e -> (N, dim)."""
+        split = self.hidden_split
+        if split is None:
+            return self._swiglu(x, counts)
+        return split.leave(self._swiglu(split.enter(x), counts))
+
+    def _swiglu(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The bank's SwiGLU on this rank's weights (a partial sum under `hidden_split`)."""
         recipe = active_recipe(self.recipe) if self.recipe is not None else None
         if recipe is not None:
             sizes = counts.tolist()

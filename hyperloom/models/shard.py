@@ -22,22 +22,41 @@ _ATTR = "hyperloom_shard"
 @dataclass(frozen=True)
 class Shard:
     """Slice `index` of `parts` equal slices along `dim` of the whole tensor, split over the
-    mesh dimension `over` ("tp" for tensor-parallel layers, "ep" for routed experts)."""
+    mesh dimension `over` ("tp" for tensor-parallel layers, "ep" for routed experts, "etp" for
+    the experts' hidden width under expert tensor parallelism).
+
+    `then`: a second split of that slice (over another group), for a tensor split two ways —
+    a routed expert weight split over ep (experts) and then over etp (hidden width). The
+    whole tensor is gathered over `then`'s group first, then over this one's."""
 
     dim: int
     index: int
     parts: int
     over: str = "tp"
+    then: Shard | None = None
 
     def whole_shape(self, shape: torch.Size | list[int]) -> list[int]:
         """The whole tensor's shape from this slice's."""
-        out = list(shape)
+        out = list(shape) if self.then is None else self.then.whole_shape(shape)
         out[self.dim] *= self.parts
         return out
 
     def piece(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor (a view)."""
-        return whole.chunk(self.parts, dim=self.dim)[self.index]
+        piece = whole.chunk(self.parts, dim=self.dim)[self.index]
+        return piece if self.then is None else self.then.piece(piece)
+
+    def chain(self) -> list[Shard]:
+        """The splits outermost first (this one, then `then`'s, ...)."""
+        return [self] + ([] if self.then is None else self.then.chain())
+
+    def splits(self, over: str) -> bool:
+        """Whether one of the splits runs over the mesh dimension `over`."""
+        return any(s.over == over for s in self.chain())
+
+    def gather_order(self) -> list[Shard]:
+        """The splits innermost first: the order a whole tensor is gathered in."""
+        return self.chain()[::-1]
 
 
 def shard_of(p: torch.Tensor) -> Shard | None:

@@ -66,22 +66,30 @@ class ParallelModel:
         return self.mesh.group("tp")
 
     def group_of(self, shard: Shard):
-        """The process group a `Shard` is split over: ep for routed experts, else tp."""
-        return self.experts.group if shard.over == "ep" else self.tp_group
+        """The process group one split of a `Shard` runs over: ep for routed experts, etp
+        for their hidden width (expert tensor parallelism), else tp."""
+        if shard.over == "ep":
+            return self.experts.group
+        if shard.over == "etp":
+            return self.mesh.group("etp")
+        return self.tp_group
 
     def whole(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (parameter `p`, its gradient, or a moment shaped like it) as the whole tensor:
-        gathered over dp for an FSDP2 DTensor, then over p's shard group (a collective)."""
+        gathered over dp for an FSDP2 DTensor, then over p's shard groups, innermost split
+        first (a collective)."""
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         t = t.detach()
         shard = shard_of(p)
-        group = None if shard is None else self.group_of(shard)
-        if group is None:
-            return t
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim=shard.dim)
+        for split in [] if shard is None else shard.gather_order():
+            group = self.group_of(split)
+            if group is None:
+                continue
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=split.dim)
+        return t
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; vocab-parallel when the head is."""
@@ -167,12 +175,16 @@ class ParallelModel:
         """Global gradient norm over the whole layout; scales gradients down to `max_norm`.
 
         Tensor-parallel shards contribute their squares summed over tp, expert weights
-        theirs summed over ep; replicated parameters count once. Under FSDP every dp rank
-        holds a disjoint shard, so the sum also runs over dp (for expert weights that sum
-        alone: each rank holds a disjoint part of them). Same formula as
-        `torch.nn.utils.clip_grad_norm_`.
+        theirs summed over ep, and over etp where expert tensor parallelism splits them (once:
+        the other etp groups of the tp group hold the same slices); replicated parameters
+        count once. Under FSDP every dp rank holds a disjoint shard, so the sum also runs over
+        dp (for expert weights that sum alone: each rank holds a disjoint part of them). Same
+        formula as `torch.nn.utils.clip_grad_norm_`.
         """
-        sharded, experts, replicated, every = [], [], [], []
+        # the groups a parameter's squares are summed over, by its splits (innermost first)
+        kinds = [(), ("tp",), ("ep",), ("etp",), ("etp", "ep")]
+        by_kind: dict[tuple[str, ...], list[torch.Tensor]] = {k: [] for k in kinds}
+        every = []
         for p in self.inner.parameters():
             if p.grad is None:
                 continue
@@ -181,21 +193,21 @@ class ParallelModel:
             if id(p) in self.norm_skip:  # a second copy (pipeline) counts once
                 continue
             shard = shard_of(p)
-            if shard is None:
-                replicated.append(g)
-            else:
-                (experts if shard.over == "ep" else sharded).append(g)
+            kind = () if shard is None else tuple(s.over for s in shard.gather_order())
+            by_kind[kind].append(g)
         dev = next(self.inner.parameters()).device
-        # float64 sums of float32 slice norms: layouts agree with one process
-        sharded_sq = sum_of_squares(sharded, dev)
-        if self.tp_group is not None:
-            dist.all_reduce(sharded_sq, group=self.tp_group)
-        total_sq = sharded_sq + sum_of_squares(replicated, dev)
-        if self.experts is not None:
-            expert_sq = sum_of_squares(experts, dev)
-            if self.zero != 3:  # under FSDP the dp sum below covers the ep ranks
-                dist.all_reduce(expert_sq, group=self.experts.group)
-            total_sq = total_sq + expert_sq
+        groups = {"tp": self.tp_group, "etp": self.mesh.group("etp")}
+        # under FSDP the dp sum below covers the ep ranks
+        groups["ep"] = self.experts.group if self.experts is not None and self.zero != 3 else None
+        # float64 sums of float32 slice norms: layouts agree with one process. The same
+        # collectives on every rank, whatever parameters it holds.
+        total_sq = None
+        for kind in kinds:
+            sq = sum_of_squares(by_kind[kind], dev)
+            for over in kind:
+                if groups[over] is not None:
+                    dist.all_reduce(sq, group=groups[over])
+            total_sq = sq if total_sq is None else total_sq + sq
         if self.zero == 3 and self.mesh.group("dcp") is not None:
             dist.all_reduce(total_sq, group=self.mesh.group("dcp"))
         if self.mesh.group("pp") is not None:  # each pipeline rank holds other layers

@@ -77,6 +77,9 @@ class ParallelMesh:
     sizes: dict[str, int]
     order: tuple[str, ...]
     device_mesh: object | None = None  # torch DeviceMesh when world > 1
+    # expert tensor parallelism (`parallel.etp`): consecutive runs of etp ranks inside each
+    # tp group split the routed experts' hidden width ("etp" in size, rank and group)
+    etp: int = 1
     _groups: dict[object, object] = field(default_factory=dict)
 
     @property
@@ -93,6 +96,8 @@ class ParallelMesh:
         return self.global_rank == 0
 
     def size(self, dim: str) -> int:
+        if dim == "etp":
+            return self.etp
         if dim == "dcp":
             return self.sizes["dp"] * self.sizes["cp"]
         return self.sizes[dim]
@@ -104,14 +109,24 @@ class ParallelMesh:
             return 0
         if dim == "dcp":
             return self.rank("dp") * self.sizes["cp"] + self.rank("cp")
+        if dim == "etp":
+            return self.rank("tp") % self.etp
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str):
-        """Process group of `dim` (or "dcp"), or None when it has size 1 (nothing to
-        communicate). The "dcp" group is a collective to create the first time: every rank
-        asks for it at the same point (`build_mesh` does)."""
+        """Process group of `dim` (or "dcp", or "etp"), or None when it has size 1 (nothing to
+        communicate). The "dcp" and "etp" groups are collectives to create the first time:
+        every rank asks for them at the same point (`build_mesh` does)."""
         if self.size(dim) == 1 or self.device_mesh is None:
             return None
+        if dim == "etp":
+            if self.etp == self.sizes["tp"]:
+                return self.group("tp")
+            if dim not in self._groups:  # consecutive runs of etp ranks along each tp line
+                etp, tp = self.etp, self.sizes["tp"]
+                runs = [line[i : i + etp] for line in self._lines("tp") for i in range(0, tp, etp)]
+                self._groups[dim] = self._new_groups(runs)
+            return self._groups[dim]
         if dim == "dcp" and 1 in (self.sizes["dp"], self.sizes["cp"]):
             return self.group("dp" if self.sizes["cp"] == 1 else "cp")
         if dim not in self._groups:
@@ -196,12 +211,13 @@ def build_mesh(cfg: ParallelConfig, acc: Accelerator) -> ParallelMesh:
     if math.prod(sizes.values()) != world:
         raise ValueError(f"mesh {sizes} does not match world size {world}")
     if world == 1:
-        return ParallelMesh(sizes, order)
+        return ParallelMesh(sizes, order, etp=cfg.etp)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(acc.kind, tuple(sizes.values()), mesh_dim_names=order)
-    mesh = ParallelMesh(sizes, order, device_mesh)
-    mesh.group("dcp")  # a collective: made here, where every rank passes
+    mesh = ParallelMesh(sizes, order, device_mesh, etp=cfg.etp)
+    mesh.group("dcp")  # collectives: made here, where every rank passes
+    mesh.group("etp")
     log.info("device mesh %s on %s (backend %s)", mesh.describe(), acc.kind, acc.backend)
     return mesh
 

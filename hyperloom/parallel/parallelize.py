@@ -6,7 +6,8 @@ Slots, in this fixed order, each its own module:
 1. fp8 (`parallel.fp8`): FP8 linears first, since the parallel layers wrap them;
 2. tensor (`parallel.tensor_parallel`): the family's tensor/sequence-parallel plan;
 3. context (`parallel.context_parallel`): attention, RoPE and loss over the cp ranks;
-4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank;
+4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank, then
+   (`parallel.expert_tensor_parallel`, `parallel.etp`) 1/etp of each one's hidden width;
 5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`;
 6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
 7. compile (`train.compile`), last, so dynamo sees DDP's hooks.
@@ -32,6 +33,7 @@ from hyperloom.models.shard import restore_shards, shards_by_name
 from hyperloom.parallel.context_parallel import apply_context_parallel, context_shard
 from hyperloom.parallel.data_parallel import wrap_data_parallel
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
+from hyperloom.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from hyperloom.parallel.fp8 import apply_fp8
 from hyperloom.parallel.layout import ParallelModel
 from hyperloom.parallel.mesh import ParallelMesh
@@ -48,6 +50,7 @@ class Sharding:
     # parameters whose gradients are summed over tp after backward (sequence-parallel norms)
     sp_params: list[str] = field(default_factory=list)
     experts: ExpertParallelism | None = None  # routed experts split over ep
+    etp_params: list[str] = field(default_factory=list)  # expert weights split over etp
     recomputed: int = 0  # blocks that recompute (train.recompute)
 
 
@@ -83,6 +86,10 @@ def parallelize(
             dp=mesh.size("dcp"),
             dispatcher=par.ep_dispatcher,
             partial=partial,
+        )
+    if mesh.size("etp") > 1:
+        out.etp_params = apply_expert_tensor_parallel(
+            model, mesh.group("etp"), mesh.rank("etp"), mesh.size("etp"), partial=partial
         )
     t = job.train
     out.recomputed = apply_recompute(

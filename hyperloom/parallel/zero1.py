@@ -104,12 +104,14 @@ class ZeroOneAdamW:
         extra_norm_group=None,
         in_place: bool | None = None,
         experts: ExpertParallelism | None = None,
+        etp_group=None,
     ):
         """`counted` says which parameters the gradient norm counts (pipeline copies of a
         parameter count once); `extra_norm_group` sums the norm over more ranks (pp);
         `in_place` picks the all-reduce collectives (default: on gloo) over reduce-scatter and
         all-gather (module docstring); `experts`: the routed experts split over ep, whose
-        space spans their expert-data-parallel group."""
+        space spans their expert-data-parallel group; `etp_group`: the expert tensor-parallel
+        group, over which the norm sums the squares of expert weights split over etp."""
         params = [p for p in model.parameters() if p.requires_grad]
         routed = set()
         if experts is not None:
@@ -117,7 +119,7 @@ class ZeroOneAdamW:
         # dense parameters first, then the experts: each space is one run of the list
         self.params = [p for p in params if id(p) not in routed]
         self.params += [p for p in params if id(p) in routed]
-        self.group, self.tp_group = dp_group, tp_group
+        self.group, self.tp_group, self.etp_group = dp_group, tp_group, etp_group
         self.extra_norm_group = extra_norm_group
         self.dp = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
@@ -159,12 +161,16 @@ class ZeroOneAdamW:
         self.decays = [self.params[c.index].ndim >= 2 for c in self.pieces]  # matrices only
         counts = [counted is None or counted(self.params[c.index]) for c in self.pieces]
         # Expert pieces count as replicated ones: each rank's are disjoint, and summed over
-        # dp they cover every expert once (experts are replicated over tp).
+        # dp they cover every expert once (experts are replicated over tp) — save for the
+        # split of their hidden width over etp, summed over that group.
         shards = [shard_of(self.params[c.index]) for c in self.pieces]
-        tp = [s is not None and s.over != "ep" for s in shards]
-        # for the global grad norm: tp shards (summed over tp) and replicated, counted pieces
+        etp = [s is not None and s.splits("etp") for s in shards]
+        tp = [s is not None and s.splits("tp") for s in shards]
+        # for the global grad norm: tp shards (summed over tp), etp shards (over etp) and
+        # replicated, counted pieces
         self.norm_sharded = [c and t for c, t in zip(counts, tp, strict=True)]
-        self.norm_replicated = [c and not t for c, t in zip(counts, tp, strict=True)]
+        self.norm_etp = [c and e for c, e in zip(counts, etp, strict=True)]
+        self.norm_replicated = [c and not (t or e) for c, t, e in zip(counts, tp, etp, strict=True)]
         self.master = self._shard_of([p.detach() for p in self.params])  # FP32 master slice
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -261,7 +267,8 @@ class ZeroOneAdamW:
             self.grad_shard = self.shard_out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm from the gradient shards (tp shards summed over tp, replicas once)."""
+        """Global norm from the gradient shards (tp shards summed over tp, etp shards over
+        etp, replicas once)."""
         g = self.grad_shard
 
         def squares(which: list[bool]) -> torch.Tensor:
@@ -272,6 +279,10 @@ class ZeroOneAdamW:
         if self.tp_group is not None:
             dist.all_reduce(sharded_sq, group=self.tp_group)
         total_sq = sharded_sq + replicated_sq
+        if self.etp_group is not None:
+            etp_sq = squares(self.norm_etp)
+            dist.all_reduce(etp_sq, group=self.etp_group)
+            total_sq = total_sq + etp_sq
         dist.all_reduce(total_sq, group=self.group)
         if self.extra_norm_group is not None:
             dist.all_reduce(total_sq, group=self.extra_norm_group)

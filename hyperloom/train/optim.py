@@ -52,6 +52,7 @@ def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimize
             counted=pm.norm_counted,
             extra_norm_group=pm.mesh.group("pp"),
             experts=pm.experts,
+            etp_group=pm.mesh.group("etp"),
         )
     return adamw(pm.inner, cfg)
 

@@ -7,7 +7,9 @@ trains into DIR/NAME exactly as `hyperloom train --nproc N JOB_ARGS CASE_ARGS` w
 config loading, same Trainer), but the N interpreters, torch imports and the process group are
 paid once for all cases instead of once per case. Cases run in order, so two cases of one NAME
 are a run and its resumption (the first with `--train.stop_at_step`). Outside torchrun
-(WORLD_SIZE unset) no process group is made, as the CLI does for `--nproc 1`.
+(WORLD_SIZE unset) no process group is made, as the CLI does for `--nproc 1`. With
+`"shapes": true` in SPEC.json each rank also writes DIR/NAME/shapes_rank{R}.json after a
+case: its parameters' local shapes and `Shard` records, by name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ from hyperloom.parallel.mesh import exit_worker
 from hyperloom.train.trainer import Trainer
 
 
+def write_shapes(trainer: Trainer, run_dir: Path) -> None:
+    from dataclasses import asdict
+
+    from hyperloom.models.shard import shard_of
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shapes = {}
+    for name, p in trainer.pm.local_params():
+        shard = shard_of(p)
+        shapes[name] = {"shape": list(p.shape), "shard": None if shard is None else asdict(shard)}
+    (run_dir / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out, job = Path(spec["out"]), list(spec["job"])
@@ -32,7 +47,10 @@ def main() -> None:
     for name, extra in spec["cases"]:
         args = [*job, *extra, "--logging.run_dir", str(out / name)]
         try:
-            Trainer(load_config(None, args, world_size=world)).run()
+            trainer = Trainer(load_config(None, args, world_size=world))
+            trainer.run()
+            if spec.get("shapes"):
+                write_shapes(trainer, out / name)
         except Exception:
             traceback.print_exc()
             rank = dist.get_rank() if dist.is_initialized() else 0

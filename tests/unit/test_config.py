@@ -596,3 +596,49 @@ def test_ep_overlap_validation():
         config_from_dict(
             {"model": model, "parallel": ok, "train": {"recompute": "full"}}, world_size=4
         )
+
+
+def test_expert_tensor_parallel_validation():
+    """parallel.etp: a divisor of tp, an MoE model whose expert width splits into etp parts;
+    the combinations not built yet are refused by name."""
+    moe = {"model": {"preset": "moe-tiny"}}  # moe_ffn_dim 192
+    cfg = config_from_dict({**moe, "parallel": {"tp": 2, "etp": 2}}, world_size=2)
+    assert (cfg.parallel.tp, cfg.parallel.etp) == (2, 2)
+    assert config_from_dict({}, world_size=1).parallel.etp == 1
+    # composes with ep (experts over ep, hidden width over etp) and ZeRO-1
+    par = {"tp": 2, "etp": 2, "dp": 2, "ep": 2, "zero": 1}
+    assert config_from_dict({**moe, "parallel": par}, world_size=4).parallel.etp == 2
+
+    def problems(cfg: dict, world: int) -> list[str]:
+        with pytest.raises(ConfigError) as info:
+            config_from_dict(cfg, world_size=world)
+        return info.value.problems
+
+    assert problems({**moe, "parallel": {"tp": 2, "etp": 4}}, 2) == [
+        "parallel.etp (4) must divide parallel.tp (2): the expert tensor-parallel groups are "
+        "consecutive runs of etp ranks inside each tp group"
+    ]
+    assert problems({**moe, "parallel": {"etp": 0}}, 1) == ["parallel.etp must be >= 1, got 0"]
+    odd = {"model": {"preset": "moe-tiny", "moe_ffn_dim": 190}, "parallel": {"tp": 4, "etp": 4}}
+    assert (
+        "model.moe_ffn_dim (190) is not divisible by parallel.etp (4): each expert tensor-"
+        "parallel rank holds a whole share of every expert's hidden width, 190 / 4 = 47.5"
+    ) in problems(odd, 4)
+    assert problems({"parallel": {"tp": 2, "etp": 2}}, 2) == [
+        "parallel.etp = 2 splits routed experts: it needs a Mixture-of-Experts model "
+        "(model.n_routed_experts > 0)"
+    ]
+    refused = [
+        ({"parallel": {"sp": True}}, "with parallel.sp is not supported: under sequence"),
+        ({"parallel": {"dp": 2, "zero": 3}}, "with parallel.zero = 3 is not supported: FSDP2"),
+        ({"precision": {"fp8": "current"}}, "with precision.fp8 = 'current' is not supported"),
+        ({"checkpoint": {"format": "sharded"}}, "with checkpoint.format = 'sharded' is not"),
+    ]
+    for extra, words in refused:
+        par = {"tp": 2, "etp": 2, **extra.get("parallel", {})}
+        world = 2 * par.get("dp", 1)
+        got = problems({**moe, **extra, "parallel": par}, world)
+        assert any(p.startswith("parallel.etp = 2 ") and words in p for p in got), (extra, got)
+    overlap = {"pp": 2, "dp": 2, "ep": 2, "tp": 2, "etp": 2, "pp_schedule": "dualpipe"}
+    got = problems({**moe, "parallel": {**overlap, "ep_overlap": True}}, 8)
+    assert any("parallel.etp = 2 with parallel.ep_overlap is not supported" in p for p in got)

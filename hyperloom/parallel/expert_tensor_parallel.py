@@ -1,0 +1,83 @@
+"""Expert tensor parallelism (`parallel.etp`): each routed expert's SwiGLU split over a group
+of ranks, with a degree of its own (Megatron-Core's MoE "parallel folding", arXiv 2504.14960).
+
+The etp group is a run of `etp` consecutive ranks inside a tp group (`ParallelMesh.group
+("etp")`). Every expert bank (`models.experts.Experts`, after expert parallelism kept this
+rank's E / ep experts) keeps 1/etp of each expert's hidden width: w1 and w3 (E, hidden, dim)
+column-parallel, split along hidden, and w2 (E, dim, hidden) row-parallel. The rows enter
+through an identity whose backward sums their gradient over etp, and the partial outputs
+are summed over etp (identity backward): Megatron's column/row pair around the bank, set as
+the bank's `hidden_split`. Without sequence parallelism every tp rank routes the same tokens,
+so ranks of a tp group in different etp groups hold the same slices and compute the same
+results: nothing is reduced between them, and a weight's gradient is its one-process slice.
+
+Expert weights carry `Shard(1 or 2, etp_rank, etp, over="etp")`, nested under the expert-
+parallel `Shard(0, ..., over="ep")` when ep > 1 (`Shard.then`), so checkpoints, init and the
+gradient norm see the whole tensors. Not built yet (refused by the config): sp, FSDP2, FP8
+expert GEMMs, the overlapped ep lanes and sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from hyperloom.models.experts import Experts
+from hyperloom.models.shard import Shard, set_shard, shard_of
+from hyperloom.parallel import tensor_parallel as tpl
+
+# parameter -> the dimension its hidden width runs along: w1, w3 (E, hidden, dim), w2 (E, dim,
+# hidden)
+HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+class ExpertTensorSplit:
+    """A bank's `hidden_split` (see `models.experts`): the column/row pair over the etp group."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows in: identity; backward sums their gradient over etp ("f")."""
+        return tpl.copy_to_tp(x, self.group)
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        """Partial outputs summed over etp; backward the identity ("g")."""
+        return tpl.reduce_from_tp(out, self.group)
+
+
+def apply_expert_tensor_parallel(
+    model: nn.Module, group, etp_rank: int, etp: int, partial: bool = False
+) -> list[str]:
+    """Keep 1/etp of every expert bank's hidden width on this rank (model on meta); returns
+    the names of the split parameters. `partial`: the model is a pipeline chunk, which may
+    hold no MoE layer."""
+    names = []
+    banks = [(path, m) for path, m in model.named_modules() if isinstance(m, Experts)]
+    for path, bank in banks:
+        if bank.recipe is not None:
+            raise ValueError("parallel.etp > 1 with FP8 expert GEMMs is not built yet")
+        for name, dim in HIDDEN_DIM.items():
+            old = getattr(bank, name)
+            if old.shape[dim] % etp:
+                raise ValueError(
+                    f"{path}.{name}: hidden width {old.shape[dim]} does not split over "
+                    f"etp = {etp} ranks"
+                )
+            shape = list(old.shape)
+            shape[dim] //= etp
+            new = nn.Parameter(
+                torch.empty(shape, dtype=old.dtype, device=old.device),
+                requires_grad=old.requires_grad,
+            )
+            mine = Shard(dim, etp_rank, etp, over="etp")
+            outer = shard_of(old)  # the expert-parallel split, if any: experts first
+            set_shard(new, mine if outer is None else replace(outer, then=mine))
+            setattr(bank, name, new)
+            names.append(f"{path}.{name}" if path else name)
+        bank.hidden_split = ExpertTensorSplit(group, etp_rank, etp)
+    if not banks and not partial:
+        raise ValueError("parallel.etp > 1 needs a Mixture-of-Experts model (no MoE layer found)")
+    return names

@@ -58,6 +58,7 @@ _FIXABLE = {
     "fp8": "bool",
     "ep": int,
     "dispatcher": str,  # EP token dispatch: alltoall or allgather
+    "etp": int,  # routed experts' width split over etp ranks of tp (0 = tp)
 }
 MODES = ("predict", "search", "calibrate")
 

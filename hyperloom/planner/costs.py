@@ -21,11 +21,17 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
   gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside overlapped FB
-  pairs (`ep_pair_hidden`, with `Strategy.ep_overlap`).
+  pairs (`ep_pair_hidden`, with `Strategy.ep_overlap`);
+- expert tensor parallelism (`Strategy.etp`, e = etp or tp ranks split each routed expert):
+  with sp (and with etp unset whatever sp says, the Megatron layout) the etp group gathers
+  the dispatched rows and reduce-scatters the outputs, each way, at ep > 1 (at ep = 1 the
+  FFN block's sp gather and reduce-scatter over tp carry them); without sp an all-reduce
+  over e of the routed rows' outputs forward and of their input gradient backward, at any ep.
 
 Per step (`dp_sync`): the dp gradient reduction per ZeRO mode, minus what the runtime overlaps
-(the last bucket always exposed), expert gradients over their own group, then Adam as memory
-traffic over the rank's state.
+(the last bucket always exposed), expert gradients over their own group, with sp and
+etp < tp the routed experts' gradients summed over the tp / etp ranks holding the same slices
+(exposed), then Adam as memory traffic over the rank's state.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class Links:
     dp: Link  # the gradient group: data x context parallel (`Strategy.dcp`)
     pp: Link
     ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
+    etp: Link | None = None  # the expert-tensor-parallel group when etp < tp (else `tp`)
+    etp_rep: Link | None = None  # the tp / etp ranks of a tp group holding the same slices
     edp: Link | None = None  # the expert-data-parallel group (expert gradients)
     a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
     cp_a2a: AllToAll = AllToAll()  # Ulysses' all-to-all over the cp group
@@ -81,6 +89,13 @@ def links_for(cluster: Cluster, s: Strategy, spec: ModelSpec | None = None, dedu
         pp=p2p_link(cluster, s.pp, st["pp"]),
         cp_a2a=all_to_all_cost(cluster, s.cp, st["cp"]),
     )
+    e = s.etp_size
+    if e != s.tp:  # consecutive runs of e ranks inside each tp group
+        links = dataclasses.replace(
+            links,
+            etp=group_link(cluster, e, st["tp"]),
+            etp_rep=group_link(cluster, s.tp // e, st["tp"] * e),
+        )
     if s.ep <= 1:
         return links
     ep_stride, edp_stride = expert_strides(s, st)
@@ -191,11 +206,19 @@ def layer_phase(
     cp_f, cp_b = context_comm(layer, s, links, rt, attn_f, attn_b)
     dp_f = dp_b = 0.0
     if s.zero == 3 and s.dcp > 1:
-        groups = [(spec.layer_params() / t, s.dcp, links.dp)]
-        if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
-            expert = spec.layer_expert_params() / t
-            groups = [((spec.layer_params() - expert * t) / t, s.dcp, links.dp)]
-            groups.append((expert / s.ep, s.edp, links.edp))
+        e = s.etp_size  # the routed experts split over e ranks, the rest over tp
+        if e == t:
+            groups = [(spec.layer_params() / t, s.dcp, links.dp)]
+            if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
+                expert = spec.layer_expert_params() / t
+                groups = [((spec.layer_params() - expert * t) / t, s.dcp, links.dp)]
+                groups.append((expert / s.ep, s.edp, links.edp))
+        else:
+            routed = spec.layer_expert_params()
+            dense = (spec.layer_params() - routed) / t
+            groups = [(dense + routed / e, s.dcp, links.dp)]
+            if s.ep > 1:
+                groups = [(dense, s.dcp, links.dp), (routed / e / s.ep, s.edp, links.edp)]
         gather = sum(collective_time("all_gather", n, 2.0 * p, lk) for p, n, lk in groups)
         dp_f = _exposed(gather, gemm + attn_f, rt.fsdp_overlap)
         dp_b = _exposed(gather, gemm + attn_b, rt.fsdp_overlap)
@@ -290,10 +313,19 @@ def context_comm(
 def expert_parallel_comm(
     layer: Layer, spec: ModelSpec, s: Strategy, links: Links, rt: Runtime
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of the mean layer's expert-parallel communication for one
-    micro-batch, before any overlap (module docstring); 0 at ep = 1."""
-    if s.ep <= 1 or not layer.moe_fraction or not layer.dispatch_bytes:
+    """(forward, backward) seconds of the mean layer's expert-parallel and expert-tensor-
+    parallel communication for one micro-batch, before any overlap (module docstring); 0 at
+    ep = 1 unless etp > 1 without sp."""
+    if not layer.moe_fraction:
         return 0.0, 0.0
+    e, sp = s.etp_size, s.sp and s.tp > 1
+    fwd = bwd = 0.0
+    if e > 1 and s.etp and not sp:  # every tp rank routes all tokens: partial sums over etp
+        rows = rt.act_width * layer.routed_elements
+        fwd = bwd = collective_time("all_reduce", e, rows, links.etp or links.tp)
+    if s.ep <= 1 or not layer.dispatch_bytes:
+        return layer.moe_fraction * fwd, layer.moe_fraction * bwd
+    ar_f, ar_b = fwd, bwd
     imb = spec.moe_imbalance
     copies = layer.dispatch_bytes * imb  # what the busiest rank receives per all-to-all
     if s.dispatcher == "allgather":
@@ -306,10 +338,12 @@ def expert_parallel_comm(
         dispatch = copies / 2 if (s.fp8 and rt.fp8_dispatch) else copies
         fwd = links.a2a.time(dispatch) + links.a2a.time(copies)
         bwd = 2 * links.a2a.time(copies)
-    if s.tp > 1:  # the expert's tp group gathers the routed rows, scatters the outputs
-        rows = s.tp * copies
-        etp = collective_time("all_gather", s.tp, rows, links.tp)
-        etp += collective_time("reduce_scatter", s.tp, rows, links.tp)
+    fwd, bwd = fwd + ar_f, bwd + ar_b
+    if e > 1 and (sp or not s.etp):  # the etp group gathers the rows, scatters the outputs
+        link = links.etp or links.tp
+        rows = e * copies
+        etp = collective_time("all_gather", e, rows, link)
+        etp += collective_time("reduce_scatter", e, rows, link)
         fwd, bwd = fwd + etp, bwd + etp
     return layer.moe_fraction * fwd, layer.moe_fraction * bwd
 
@@ -436,27 +470,35 @@ def assign_layers(n_layers: int, rank_chunks: tuple[tuple[int, ...], ...]) -> li
 
 
 def chunk_expert_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
-    """Routed-expert parameters per model chunk on one tp rank, before the ep split (the
-    MTP module's experts on the last chunk)."""
+    """Routed-expert parameters per model chunk on one rank of a group of `tp` ranks that
+    split each expert's width (tp, or `Strategy.etp`), before the ep split (the MTP module's
+    experts on the last chunk)."""
     out = [n * spec.layer_expert_params() / tp for n in layers]
     out[-1] += spec.mtp_expert_params() / tp
     return out
 
 
 def local_params(
-    spec: ModelSpec, tp: int, ep: int, layers: list[int]
+    spec: ModelSpec, tp: int, ep: int, layers: list[int], etp: int = 0
 ) -> tuple[list[float], list[float]]:
     """(parameters, of which routed experts) per model chunk on one rank: the tp split of
-    `chunk_params` with 1/ep of the experts (at ep = 1: `chunk_params` and zeros)."""
-    total = chunk_params(spec, tp, layers)
+    `chunk_params` (the experts' over `etp`, 0 = tp) with 1/ep of the experts (at ep = 1:
+    `chunk_params` and zeros)."""
+    total = chunk_params(spec, tp, layers, etp)
     if ep <= 1:
         return total, [0.0] * len(layers)
-    experts = chunk_expert_params(spec, tp, layers)
+    experts = chunk_expert_params(spec, etp or tp, layers)
     return [p - e + e / ep for p, e in zip(total, experts, strict=True)], [e / ep for e in experts]
 
 
-def chunk_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[float]:
-    """Parameters per model chunk on one tp rank (embedding on the first, head on the last)."""
+def chunk_params(spec: ModelSpec, tp: int, layers: list[int], etp: int = 0) -> list[float]:
+    """Parameters per model chunk on one tp rank (embedding on the first, head on the last),
+    the routed experts split over `etp` ranks instead of tp when set (`Strategy.etp`)."""
+    if etp and etp != tp:
+        dense = chunk_params(spec, tp, layers)
+        tp_experts = chunk_expert_params(spec, tp, layers)
+        experts = chunk_expert_params(spec, etp, layers)
+        return [p - a + b for p, a, b in zip(dense, tp_experts, experts, strict=True)]
     out = []
     for i, n in enumerate(layers):
         p = n * spec.layer_params()
@@ -486,11 +528,33 @@ def dp_sync(
     links: Links,
     rt: Runtime,
     expert: float = 0.0,
+    etp_expert: float = 0.0,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of the step's data-parallel gradient/parameter traffic for a
     rank holding `params`, of which `expert` are its local routed experts (reduced over the
     expert-data-parallel group when ep > 1); `b_window`/`f_window` are its last backward /
-    first forward."""
+    first forward. `etp_expert`: the rank's local routed experts when sp routes each tp
+    rank's own tokens through experts split over etp < tp ranks, whose gradients are summed
+    over the tp / etp ranks holding the same slices after the backward (not overlapped)."""
+    total, exposed = _dp_sync(params, f_window, b_window, s, links, rt, expert)
+    e = s.etp_size
+    if etp_expert and s.sp and e < s.tp and links.etp_rep is not None:
+        width = rt.grad_reduce_bytes * etp_expert
+        extra = collective_time("all_reduce", s.tp // e, width, links.etp_rep)
+        total, exposed = total + extra, exposed + extra
+    return total, exposed
+
+
+def _dp_sync(
+    params: float,
+    f_window: float,
+    b_window: float,
+    s: Strategy,
+    links: Links,
+    rt: Runtime,
+    expert: float = 0.0,
+) -> tuple[float, float]:
+    """`dp_sync` over the data-parallel groups (dense and expert-data-parallel)."""
     groups = [(params - expert, s.dcp, links.dp)]
     if expert:
         groups.append((expert, s.edp, links.edp))

@@ -7,7 +7,8 @@ is not one) and P the parameters a rank holds:
     zero 0:  P * (p + g + o)        zero 1:  P * (p + g) + P * o / dp
     zero 3:  P * (p + g + o) / dp   (FSDP2 under no_sync keeps P * g unsharded)
 
-Routed experts count 1/ep, their sharded states over dp * cp / ep.
+Routed experts count 1/ep, their sharded states over dp * cp / ep, their width 1/etp
+(`Strategy.etp`; 1/tp when unset).
 
 Activations (arXiv 2205.05198; `model.build_layer` lists the tensors): a chunk's saved bytes
 per micro-batch under the recompute policy, times the peak in-flight (stage, micro-batch)
@@ -303,6 +304,12 @@ def rank_memory(
         shed = spec.layer_expert_params() * (1 - 1 / s.ep)
         layer_params -= shed / s.tp
         layer_matmul -= shed
+    # per rank: the local routed experts split over etp instead of tp (`Strategy.etp`)
+    fp8_weights = n_layers * layer_matmul / s.tp
+    if s.etp_size != s.tp:
+        local = spec.layer_expert_params() / s.ep
+        layer_params += local * (1 / s.etp_size - 1 / s.tp)
+        fp8_weights += n_layers * local * (1 / s.etp_size - 1 / s.tp)
     buffers = lm.dispatch
     if rt.autocast_weight_copy:
         cast = params
@@ -313,7 +320,7 @@ def rank_memory(
                 cast -= vocab
         buffers += 2.0 * max(cast, 0.0)
     if s.fp8:
-        buffers += 2.0 * n_layers * layer_matmul / s.tp
+        buffers += 2.0 * fp8_weights
     if s.zero == 0 and s.dcp > 1 and rt.ddp_bucket_copy:
         buffers += rt.grad_bytes * params
     if s.zero == 3 and s.dcp > 1:

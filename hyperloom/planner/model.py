@@ -302,6 +302,10 @@ class Layer:
     expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
+    # elements of the rows through this rank's routed experts, rows x dim (one MoE layer,
+    # `moe_imbalance` included at ep > 1): what expert tensor parallelism without sp
+    # all-reduces over etp (`costs.expert_parallel_comm`)
+    routed_elements: float = 0.0
     # Without sp, the backward's TP all-reduces when they are not two of tp_buffer: DeepSeek's
     # MLA sums its latents' gradients (q_lora, kv_lora + rope columns), not the block input's.
     tp_grad_buffers: tuple[float, ...] = ()
@@ -327,6 +331,7 @@ def build_layer(
     per_op_casts: bool = False,
     act_width: float = 2.0,
     latent_ring: bool = False,
+    etp: int = 0,
 ) -> Layer:
     """The layer's work for `mbs` sequences of `seq` tokens split over cp and tp ranks.
 
@@ -336,13 +341,14 @@ def build_layer(
     a gated MLP's w1, w3 (measured with `saved_tensors_hooks` on our Llama: 10 B per token
     and model dimension more than one BF16 norm output each; dense layers only).
     `act_width` is bytes per activation element: 2 (BF16 autocast), 4 for a job trained in FP32
-    (no autocast, so no casts: `per_op_casts` must be off)."""
+    (no autocast, so no casts: `per_op_casts` must be off). `etp`: the routed experts' width
+    split (`Strategy.etp`; 0 = over tp), MoE only (`_build_deepseek_layer`)."""
     if per_op_casts and act_width != 2:
         raise PlanError("autocast casts per op are BF16 activations (act_width 2)")
     A = act_width  # noqa: N806 - bytes per activation element
     if spec.mla:
         return _build_deepseek_layer(
-            spec, mbs, seq, tp, cp, sp, sharded_save, ep, act_width, latent_ring
+            spec, mbs, seq, tp, cp, sp, sharded_save, ep, act_width, latent_ring, etp
         )
     h, q, kv, f, a = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn_dim, spec.n_heads
     t, tokens = tp, mbs * seq / cp  # tokens this rank owns along the sequence
@@ -446,6 +452,7 @@ def _build_deepseek_layer(
     ep: int,
     act_width: float = 2.0,
     latent_ring: bool = False,
+    etp: int = 0,
 ) -> Layer:
     """The mean DeepSeek layer: MLA plus, weighted by their share of the layers, the dense
     SwiGLU FFN of the first `n_dense_layers` and the MoE FFN of the rest (GEMM `count` and
@@ -458,12 +465,19 @@ def _build_deepseek_layer(
     shared x moe_ffn_dim split over tp, the routed experts as a grouped GEMM of E/ep experts
     with tokens x top_k / E rows each at ep = 1, and tokens x top_k x ep / E x
     `moe_imbalance` at ep > 1 (the ep ranks' routed copies meet on E/ep experts), each
-    expert's width split over tp; dispatch/combine as permutation traffic.
+    expert's width split over tp (or etp, below); dispatch/combine as permutation traffic.
 
     Expert parallelism: one dispatch all-to-all sends the routed copies of this rank's tokens,
     tokens x top_k x dim BF16 elements (over tp when tp > 1: each tensor-parallel rank sends
     its 1/tp share and the expert-tp group gathers them back, see `costs.layer_phase`).
     `act_width`: bytes per activation element, as in `build_layer`.
+
+    Expert tensor parallelism (`etp`, e = etp or tp): each expert's width is split over e
+    ranks (fe / e). With sp (and with etp unset, the Megatron layout whatever sp says) the
+    rank routes its 1/tp slice of the tokens and its etp group gathers them: tokens x top_k
+    x e / tp rows (at e = 1 the rank's own slice), dispatching 1/tp of the tokens at ep > 1;
+    without sp every tp rank routes all of them, tokens x top_k rows, and at ep > 1
+    dispatches them all (the other tp ranks do the same).
 
     `latent_ring` (ring context parallelism with wkv_b not in FP8,
     `hyperloom.parallel.context_parallel.RingAttention`): the ring passes the compressed
@@ -501,15 +515,19 @@ def _build_deepseek_layer(
             Gemm("fc2", tokens, h, f / t, wd),
         ]
     E, k, fe, S = spec.n_routed_experts, spec.moe_top_k, spec.moe_ffn_dim, spec.n_shared_experts
-    routed_rows = tokens * k  # rows through the routed experts of this rank (ep = 1)
+    e = etp or t  # the ranks splitting each routed expert's width
+    gathered = sp or not etp  # each tp rank routes its 1/tp slice, gathered over e
+    # tokens through this rank's experts: its etp group's slices, or all of them without sp
+    routed_tokens = tokens / (t // e) if gathered else tokens
+    routed_rows = routed_tokens * k  # rows through the routed experts of this rank (ep = 1)
     dispatch = 0.0
     if wm:
         local = E / ep
         if ep > 1:
-            rows = tokens * k * ep / E * spec.moe_imbalance
-            dispatch = 2.0 * tokens * k * h / t
+            rows = routed_tokens * k * ep / E * spec.moe_imbalance
+            dispatch = 2.0 * tokens * k * h / t if gathered else 2.0 * tokens * k * h
         else:
-            rows = tokens * k / E * 1.0
+            rows = routed_tokens * k / E * 1.0
         routed_rows = rows * local
         gemms.append(Gemm("router", tokens, E, h, wm))
         if S:
@@ -518,8 +536,8 @@ def _build_deepseek_layer(
                 Gemm("shared_fc2", tokens, h, S * fe / t, wm),
             ]
         gemms += [
-            Gemm("experts_fc1", rows, 2 * fe / t, h, wm * local),
-            Gemm("experts_fc2", rows, h, fe / t, wm * local),
+            Gemm("experts_fc1", rows, 2 * fe / e, h, wm * local),
+            Gemm("experts_fc2", rows, h, fe / e, wm * local),
         ]
     heads = a / t
     full_core = 2.0 * tokens * seq * (q_dim + v_dim) / t
@@ -559,11 +577,11 @@ def _build_deepseek_layer(
             Saved("shared_fc1_out", wm * A * tokens * 2 * shared, "layer"),
             Saved("shared_fc2_in", wm * A * tokens * shared, "mlp_act", gemm_input=True),
             Saved("dispatched", wm * A * routed_rows * h, "layer", gemm_input=True),
-            Saved("experts_fc1_out", wm * A * routed_rows * 2 * fe / t, "experts"),
-            Saved("experts_fc2_in", wm * A * routed_rows * fe / t, "experts", gemm_input=True),
+            Saved("experts_fc1_out", wm * A * routed_rows * 2 * fe / e, "experts"),
+            Saved("experts_fc2_in", wm * A * routed_rows * fe / e, "experts", gemm_input=True),
             Saved("experts_out", wm * A * routed_rows * h, "layer"),
         ]
-        expert_act = wm * 6.0 * routed_rows * fe / t
+        expert_act = wm * 6.0 * routed_rows * fe / e
         act += wm * 6.0 * tokens * shared + expert_act
         # router softmax/sigmoid + top-k (fp32), permute in and out, weighted combine
         permute = wm * (8.0 * tokens * E + 2 * 4.0 * routed_rows * h + 6.0 * routed_rows * h)
@@ -595,6 +613,7 @@ def _build_deepseek_layer(
         moe_fraction=wm,
         expert_act_bytes=expert_act,
         dispatch_bytes=dispatch,
+        routed_elements=routed_rows * h if wm else 0.0,
         # hyperloom.models.deepseek.plan: wq_a's and wkv_a's output gradients (or wq's input
         # gradient without q_lora), then the FFN block's input gradient
         tp_grad_buffers=(2.0 * tokens * ql if ql else 2.0 * x_full, 2.0 * tokens * (kvl + rope))

@@ -1,7 +1,8 @@
 """Search the parallel strategy space for the fastest layouts that fit in memory.
 
 The space is tp x cp (ring, or Ulysses' all-to-all where the heads per tp rank divide by cp) x
-pp (dp is what remains) x ep (MoE: divisors of dp * cp that divide the experts) x micro-batch
+pp (dp is what remains) x ep (MoE: divisors of dp * cp that divide the experts) x etp (MoE at
+tp > 1: the routed experts replicated over tp, etp 1, or split over it, etp = tp) x micro-batch
 size x ZeRO x schedule (and vpp) x recompute x FP8. Three filters,
 cheapest first, with counts reported: validity (`strategy.check`), memory (`memory.py` with the
 schedule's own in-flight counts), and branch and bound on time -- survivors are replayed
@@ -58,6 +59,9 @@ class SearchSpace:
     fp8: tuple[bool, ...] = (False, True)
     # overlapped F&B pairs: tried where they can run (ep > 1, all-to-all, a pairing schedule)
     ep_overlap: tuple[bool, ...] = (False, True)
+    # expert tensor parallelism: () = for MoE models at tp > 1 the routed experts replicated
+    # over tp (1) and split over it (0, `Strategy.etp`); pinned values go through `check`
+    etp: tuple[int, ...] = ()
 
     def fixed(self, **values) -> SearchSpace:
         """The space with some dimensions pinned, e.g. `fixed(tp=8, pp=4)`; `vpp` pins the
@@ -68,7 +72,7 @@ class SearchSpace:
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise PlanError(
                     f"cannot fix {key!r}; fixable: tp, cp, cp_comm, pp, ep, dispatcher, mbs, "
-                    f"zero, schedule, vpp, recompute, fp8, ep_overlap"
+                    f"zero, schedule, vpp, recompute, fp8, ep_overlap, etp"
                 )
             out[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         return dataclasses.replace(self, **out)
@@ -122,6 +126,17 @@ def expert_degrees(spec: ModelSpec, dp: int, cp: int, space: SearchSpace) -> tup
     return tuple(d for d in _divisors(dp * cp) if spec.n_routed_experts % d == 0)
 
 
+def expert_tensor_degrees(spec: ModelSpec, tp: int, space: SearchSpace) -> tuple[int, ...]:
+    """The etp values to try at `tp`: the space's, or for MoE models at tp > 1 the routed
+    experts replicated over tp (1, hyperloom's default) and split over it (0, Megatron's);
+    0 otherwise, where the two are the same."""
+    if space.etp:
+        return space.etp
+    if not spec.n_routed_experts or tp == 1:
+        return (0,)
+    return (1, 0)
+
+
 def context_forms(spec: ModelSpec, tp: int, cp: int, space: SearchSpace) -> tuple[str, ...]:
     """The cp_comm values to try: the space's at cp > 1, Ulysses' all-to-all only where the
     query heads per tp rank divide by cp (a pinned one goes through `check`); ring at cp = 1,
@@ -158,11 +173,12 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                         vpps = space.vpp if kind == "interleaved" else (1,)
                         kinds += [(kind, v) for v in vpps]
                 experts = [
-                    (ep, d)
+                    (ep, d, e)
                     for ep in expert_degrees(spec, dp, cp, space)
                     for d in (space.dispatcher if ep > 1 else ("alltoall",))
+                    for e in expert_tensor_degrees(spec, tp, space)
                 ]
-                for (ep, disp), form, (kind, v), zero, rc, fp8 in itertools.product(
+                for (ep, disp, etp), form, (kind, v), zero, rc, fp8 in itertools.product(
                     experts, forms, kinds, space.zero, space.recompute, space.fp8
                 ):
                     if fp8 and not accel_fp8:
@@ -187,6 +203,7 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                             recompute=rc,
                             fp8=fp8,
                             ep_overlap=overlap,
+                            etp=etp,
                         )
 
 

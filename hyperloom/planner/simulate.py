@@ -39,6 +39,7 @@ from hyperloom.planner.costs import (
     Links,
     Phase,
     assign_layers,
+    chunk_expert_params,
     dp_sync,
     embedding_phase,
     head_phase,
@@ -184,7 +185,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     latent_ring = key.cp > 1 and key.cp_comm == "ring" and not key.fp8
     layer = build_layer(
         spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op,
-        rt.act_width, latent_ring,
+        rt.act_width, latent_ring, key.etp,
     )  # fmt: skip
     one = layer_phase(layer, spec, key, acc, links, rt)
     emb = embedding_phase(spec, key, seq, acc, links, rt)
@@ -195,7 +196,7 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
             whole = dataclasses.replace(key, cp=1)
             mtp_layer = build_layer(
                 spec, key.mbs, seq, key.tp, 1, key.sp, rt.sharded_save, key.ep,
-                rt.autocast_per_op, rt.act_width,
+                rt.autocast_per_op, rt.act_width, etp=key.etp,
             )  # fmt: skip
             mtp_one = layer_phase(mtp_layer, spec, whole, acc, links, rt)
             mtp_head = head_phase(spec, whole, seq, acc, links, rt)
@@ -212,10 +213,10 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks):
+def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks, etp: int = 0):
     """(layers, local params, local routed-expert params) per model chunk."""
     layers = tuple(assign_layers(spec.n_layers, rank_chunks))
-    params, experts = local_params(spec, tp, ep, list(layers))
+    params, experts = local_params(spec, tp, ep, list(layers), etp)
     return layers, tuple(params), tuple(experts)
 
 
@@ -310,7 +311,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
     key = dataclasses.replace(s, schedule="1f1b", vpp=1, microbatches=1)
     lm, one, emb, head, links = _layer(spec, cluster, rt, seq, key)
     rank_chunks = _rank_chunks(s.schedule, s.pp, s.vpp)
-    layers, params, experts = _chunks(spec, s.tp, s.ep, rank_chunks)
+    layers, params, experts = _chunks(spec, s.tp, s.ep, rank_chunks, s.etp)
     n = np.asarray(layers, dtype=float)
     f, b, w = one.f * n, one.b * n, one.w * n
     for i, ph in ((0, emb), (-1, head)):
@@ -472,12 +473,18 @@ def predict(
     finish, parts, busy_all = [], [], 0.0
     m = chunk_passes(s)
     paired = _paired_share(results[0], prep.fb_overlap)
+    # sp with etp < tp: each tp rank's own tokens went through its slices, which the tp / etp
+    # ranks holding them sum after the backward (`costs.dp_sync`)
+    routed = [0.0] * len(prep.layers)
+    if s.sp and s.etp_size < s.tp and spec.n_routed_experts:
+        routed = [p / s.ep for p in chunk_expert_params(spec, s.etp_size, list(prep.layers))]
     for rank in range(s.pp):
         p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
         e_rank = sum(prep.experts[c] for c in prep.rank_chunks[rank])
+        r_rank = sum(routed[c] for c in prep.rank_chunks[rank])
         per_mb = prep.rank_phase(rank)
         dp_total, dp_exposed = dp_sync(
-            p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt, e_rank
+            p_rank, per_mb.f, per_mb.b + per_mb.w, s, prep.links, rt, e_rank, r_rank
         )
         opt = optimizer_time(p_rank, s, acc, rt, e_rank)
         finish.append(shared_end[rank] + dp_exposed + opt)
@@ -498,7 +505,7 @@ def predict(
                 "dp_sync_total": dp_total,
             }
         )
-        if s.ep > 1:
+        if s.ep > 1 or per_mb.ep_comm:  # expert-parallel (and expert-tensor-parallel)
             parts[-1]["ep_comm"] = m * per_mb.ep_comm
             if hidden:
                 parts[-1]["ep_hidden_by_fb_pairs"] = -hidden

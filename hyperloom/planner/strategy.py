@@ -204,6 +204,11 @@ class Strategy:
     dispatcher: str = "alltoall"  # EP token dispatch: "alltoall" or "allgather"
     cp_comm: str = "ring"  # CP attention: "ring" (K/V blocks passed round) or "alltoall" (Ulysses)
     ep_overlap: bool = False  # F&B pairs overlap their all-to-alls (parallel.ep_overlap)
+    # Expert tensor parallelism (`parallel.etp`): the routed experts' hidden width split over
+    # etp consecutive ranks of each tp group. 0: over the whole tp group (Megatron-Core's
+    # default expert_tensor_parallel_size = tp, the planner's model before etp); 1: routed
+    # experts replicated over tp (hyperloom's default). See `etp_size` and `costs.py`.
+    etp: int = 0
 
     @property
     def world(self) -> int:
@@ -221,6 +226,11 @@ class Strategy:
         """Expert-data-parallel size: the ranks holding the same experts (dp * cp / ep).
         At ep = 1 the experts are ordinary parameters of the dp group."""
         return self.dp * self.cp // self.ep if self.ep > 1 else self.dp
+
+    @property
+    def etp_size(self) -> int:
+        """Ranks that split each routed expert's hidden width: `etp`, or tp when unset."""
+        return self.etp or self.tp
 
     @property
     def global_batch(self) -> int:
@@ -246,6 +256,8 @@ class Strategy:
             parts.append(f"ep{self.ep}" + ("ag" if self.dispatcher == "allgather" else ""))
             if self.ep_overlap:
                 parts.append("ovl")
+        if self.etp and self.tp > 1:
+            parts.append(f"etp{self.etp}")
         parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
         parts.append(f"rc:{self.recompute}")
         if self.fp8:
@@ -266,8 +278,10 @@ class Strategy:
     ) -> Strategy:
         """The layout a training job runs: [parallel] and [train] read as `hyperloom train`
         reads them (a step is `microbatches x grad_accum` micro-batches per dp rank, the
-        attention crosses the cp ranks by `parallel.cp_comm`); the
-        schedule kind, chunks per rank, recompute policy and FP8 from the job unless given."""
+        attention crosses the cp ranks by `parallel.cp_comm`, the routed experts split over
+        `parallel.etp` ranks: 1 by default, replicated over tp; left unset, 0, for a model
+        without routed experts); the schedule kind, chunks per rank, recompute policy and FP8
+        from the job unless given."""
         par, tr = job.parallel, job.train
         if recompute is None:
             recompute = tr.recompute
@@ -287,6 +301,7 @@ class Strategy:
             ep=par.ep,
             dispatcher=par.ep_dispatcher,
             ep_overlap=par.ep_overlap,
+            etp=par.etp if _routed_experts(job) else 0,
             zero=par.zero,
             sp=par.sp,
             order=par.order,
@@ -297,6 +312,11 @@ class Strategy:
             recompute=recompute,
             fp8=job.precision.fp8 != "none" if fp8 is None else fp8,
         )
+
+
+def _routed_experts(job: JobConfig) -> bool:
+    """Whether the job's model has routed experts (`ModelSpec.n_routed_experts`)."""
+    return job.model.family == "deepseek" and job.model.n_routed_experts > 0
 
 
 def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> str | None:
@@ -312,8 +332,18 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
             return f"{name} ({value}) is not divisible by tp ({s.tp})"
     if spec.ffn_dim % s.tp or spec.vocab_size % s.tp:
         return f"ffn_dim ({spec.ffn_dim}) and vocab ({spec.vocab_size}) must divide by tp ({s.tp})"
-    if spec.moe_ffn_dim % s.tp:
-        return f"moe_ffn_dim ({spec.moe_ffn_dim}) must divide by tp ({s.tp})"
+    if s.etp < 0:
+        return f"etp must be >= 0 (0: the experts' width split over tp), got {s.etp}"
+    if s.etp > 1 and not spec.n_routed_experts:
+        return f"etp = {s.etp} splits routed experts: the dense family has no experts"
+    if s.etp and s.tp % s.etp:
+        return f"etp ({s.etp}) must divide tp ({s.tp})"
+    if spec.moe_ffn_dim % s.etp_size:
+        what = "etp" if s.etp else "tp"
+        return f"moe_ffn_dim ({spec.moe_ffn_dim}) must divide by {what} ({s.etp_size})"
+    shared = spec.n_shared_experts * spec.moe_ffn_dim  # the shared experts split over tp
+    if shared % s.tp:
+        return f"n_shared_experts * moe_ffn_dim ({shared}) must divide by tp ({s.tp})"
     split = s.cp * 2 if s.cp > 1 else 1  # load-balanced CP cuts 2*cp chunks
     if seq % (split * (s.tp if s.sp and s.tp > 1 else 1)):
         return f"seq ({seq}) must divide by {'2*cp*' if s.cp > 1 else ''}tp = {split * s.tp}"

@@ -15,7 +15,8 @@ collectives meet in the same order everywhere. The backward's collectives, insid
 switch the same way, whichever thread autograd runs them on.
 
 Lanes start from the caller's context variables (FP8 autocast and friends) and grad mode;
-torch's thread-local modes entered inside a lane stay in it.
+torch's thread-local modes entered inside a lane stay in it. The two lane threads live for
+the whole process (`_Worker`), one pair after another.
 
 `CommStats` keeps, for the collectives waited through `wait_overlapped`, the time each was
 in flight and the part of it a lane sat waiting (exposed); `Duet.trace` records who held the
@@ -25,6 +26,8 @@ baton when, for a timeline of one step.
 from __future__ import annotations
 
 import contextvars
+import functools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -88,21 +91,13 @@ class Duet:
             raise RuntimeError("a Duet is already running; duets do not nest")
         grad = torch.is_grad_enabled()
         self._t0, self._since = time.perf_counter(), 0.0
-        lanes = [
-            threading.Thread(
-                target=self._lane,
-                args=(i, fn, contextvars.copy_context(), grad),
-                name=f"duet-{self.labels[i]}",
-                daemon=True,
-            )
-            for i, fn in enumerate((first, second))
-        ]
         _active = self
         try:
-            for t in lanes:
-                t.start()
-            for t in lanes:
-                t.join()
+            for i, fn in enumerate((first, second)):
+                job = functools.partial(self._lane, i, fn, contextvars.copy_context(), grad)
+                _worker(i).submit(job)
+            with self._cond:
+                self._cond.wait_for(lambda: all(self._done))
         finally:
             _active = None
         if self._errors:
@@ -147,6 +142,36 @@ class Duet:
             self._cond.wait_for(lambda: self._holder == me)
             self._since = self._now()
             return True
+
+
+class _Worker:
+    """A lane's thread, kept for the whole process: a new thread per pair would start each
+    lane on fresh thread-local state (an allocator arena whose pages the OS must fault in
+    and zero again) every time. Runs one job at a time; jobs restore the thread-local
+    torch state they set (grad mode, autocast, modes) before they end."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()  # a job never raises: `Duet._lane` keeps its errors
+
+
+_workers: list[_Worker] = []
+_workers_lock = threading.Lock()
+
+
+def _worker(i: int) -> _Worker:
+    """Lane i's thread (started on first use)."""
+    with _workers_lock:
+        while len(_workers) <= i:
+            _workers.append(_Worker(f"duet-lane-{len(_workers)}"))
+        return _workers[i]
 
 
 def wait_overlapped(work, label: str = "comm") -> None:

@@ -326,10 +326,11 @@ def _expert_tensor_parallel_problems(job: JobConfig) -> list[str]:
             f"width, {m.moe_ffn_dim} / {etp} = {m.moe_ffn_dim / etp:.4g}"
         )
     refused = {
-        "parallel.sp": (
-            par.sp,
-            "under sequence parallelism each tp rank routes other tokens (gathering the rows "
-            "over etp is not built yet); use parallel.sp = false or parallel.etp = 1",
+        f"parallel.sp and parallel.tp = {par.tp}": (
+            par.sp and etp != par.tp,
+            "under sequence parallelism the rows are gathered over the etp group, and with "
+            "etp < tp the tp ranks outside it would hold other rows for the same slices "
+            "(their gradient sum is not built yet); use parallel.etp = tp or 1",
         ),
         f"parallel.zero = {par.zero}": (
             par.zero == 3,

@@ -9,8 +9,9 @@ holding this rank's E / ep experts.
 
 Expert tensor parallelism (`parallel.etp`) splits each expert's hidden width over a group of
 ranks (w1, w3 column-parallel, w2 row-parallel) and sets `hidden_split`, an object whose
-`enter` makes the rows' gradient whole over that group (identity forward) and whose `leave`
-sums the partial outputs (identity backward): Megatron's column/row pair around the bank.
+`enter` hands the bank the group's rows (the rank's own, their gradient summed over the
+group; under sequence parallelism every rank's, gathered and regrouped by expert) and whose
+`leave` sums the partial outputs over the group: Megatron's column/row pair around the bank.
 The model code cannot import `hyperloom.parallel`, which provides it.
 """
 
@@ -91,7 +92,8 @@ class Experts(Fp8State, nn.Module):
         self.fp8_activation = False
         self.register_buffer("fp8_amax_history", None)  # delayed scaling only (enable_fp8)
         self.register_buffer("fp8_scale", None)
-        self.hidden_split = None  # expert tensor parallelism: enter(x), leave(partial out)
+        # expert tensor parallelism: enter(x, counts) -> (rows, counts, undo), leave(out, undo)
+        self.hidden_split = None
 
     def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
         """Run the expert GEMMs in FP8 with `recipe` (called by `convert_to_fp8`). Delayed
@@ -108,7 +110,8 @@ class Experts(Fp8State, nn.Module):
         split = self.hidden_split
         if split is None:
             return self._swiglu(x, counts)
-        return split.leave(self._swiglu(split.enter(x), counts))
+        rows, row_counts, undo = split.enter(x, counts)
+        return split.leave(self._swiglu(rows, row_counts), undo)
 
     def _swiglu(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The bank's SwiGLU on this rank's weights (a partial sum under `hidden_split`)."""

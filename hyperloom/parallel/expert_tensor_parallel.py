@@ -13,8 +13,12 @@ results: nothing is reduced between them, and a weight's gradient is its one-pro
 
 Expert weights carry `Shard(1 or 2, etp_rank, etp, over="etp")`, nested under the expert-
 parallel `Shard(0, ..., over="ep")` when ep > 1 (`Shard.then`), so checkpoints, init and the
-gradient norm see the whole tensors. Not built yet (refused by the config): sp, FSDP2, FP8
-expert GEMMs, the overlapped ep lanes and sharded checkpoints.
+gradient norm see the whole tensors. Under sequence parallelism (etp = tp) the ranks' rows
+differ: `ExpertTensorSplit` gathers and reduce-scatters them, and a slice's gradient, made
+from the whole group's rows, is not summed over tp again (`parallelize` takes the split
+weights out of the sequence-parallel partial-gradient sums). Not built yet (refused by the
+config): sp with etp < tp, FSDP2, FP8 expert GEMMs, the overlapped ep lanes and sharded
+checkpoints.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyperloom.models.experts import Experts
 from hyperloom.models.shard import Shard, set_shard, shard_of
 from hyperloom.parallel import tensor_parallel as tpl
+from hyperloom.parallel.expert_parallel import _shift
 
 # parameter -> the dimension its hidden width runs along: w1, w3 (E, hidden, dim), w2 (E, dim,
 # hidden)
@@ -34,27 +40,58 @@ HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
 
 
 class ExpertTensorSplit:
-    """A bank's `hidden_split` (see `models.experts`): the column/row pair over the etp group."""
+    """A bank's `hidden_split` (see `models.experts`): the column/row pair over the etp group.
 
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+    `sequence`: the bank's rows differ between the etp ranks (sequence parallelism, etp =
+    tp: each rank routed its own slice of the sequence). Then `enter` all-gathers the group's
+    rows (padded to the longest rank's) and regroups them by expert, and `leave` scatters the
+    partial outputs back into the gathered layout and reduce-scatters them, so each rank gets
+    its own rows summed over the group (Megatron's sequence-parallel expert tensor
+    parallelism); the gather's backward sums the rows' gradient over etp, the
+    reduce-scatter's gathers the outputs' gradient."""
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows in: identity; backward sums their gradient over etp ("f")."""
-        return tpl.copy_to_tp(x, self.group)
+    def __init__(self, group, rank: int, size: int, sequence: bool = False):
+        self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
 
-    def leave(self, out: torch.Tensor) -> torch.Tensor:
-        """Partial outputs summed over etp; backward the identity ("g")."""
-        return tpl.reduce_from_tp(out, self.group)
+    def enter(self, x: torch.Tensor, counts: torch.Tensor):
+        """Rows in (x (N, dim), counts[e] rows per local expert) -> (rows, counts, undo) for
+        the bank's GEMMs; `undo` is what `leave` needs."""
+        if not self.sequence:  # identity; backward sums the rows' gradient over etp ("f")
+            return tpl.copy_to_tp(x, self.group), counts, None
+        parts = [torch.empty_like(counts) for _ in range(self.size)]
+        dist.all_gather(parts, counts.contiguous(), group=self.group)
+        everyone = torch.stack(parts)  # (etp, E_local): rows each rank holds per expert
+        n, width = x.shape[0], int(everyone.sum(1).max())
+        padded = torch.cat([x, x.new_zeros(width - n, x.shape[1])])  # (width, dim)
+        rows = tpl.gather_seq(padded[None], self.group)[0]  # (etp * width, dim), rank major
+        base = torch.arange(self.size, device=x.device) * width  # (etp,) first row per rank
+        take = _shift(everyone, base)  # (M,) the gathered rows in (expert, rank) order
+        return rows[take], everyone.sum(0), (take, rows.shape[0], n)
+
+    def leave(self, out: torch.Tensor, undo) -> torch.Tensor:
+        """Partial outputs -> this rank's rows' outputs summed over etp."""
+        if undo is None:  # summed over etp; backward the identity ("g")
+            return tpl.reduce_from_tp(out, self.group)
+        take, total, n = undo
+        scattered = out.new_zeros(total, out.shape[1]).index_copy(0, take, out)
+        return tpl.reduce_scatter_seq(scattered[None], self.group)[0][:n]
 
 
 def apply_expert_tensor_parallel(
-    model: nn.Module, group, etp_rank: int, etp: int, partial: bool = False
+    model: nn.Module,
+    group,
+    etp_rank: int,
+    etp: int,
+    partial: bool = False,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Keep 1/etp of every expert bank's hidden width on this rank (model on meta); returns
     the names of the split parameters. `partial`: the model is a pipeline chunk, which may
-    hold no MoE layer."""
+    hold no MoE layer. `sequence_parallel`: the banks route each rank's own sequence slice
+    (etp = tp), except those under the model's `whole_sequence_modules` (DeepSeek's MTP),
+    whose rows every tp rank holds alike."""
     names = []
+    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
     banks = [(path, m) for path, m in model.named_modules() if isinstance(m, Experts)]
     for path, bank in banks:
         if bank.recipe is not None:
@@ -77,7 +114,8 @@ def apply_expert_tensor_parallel(
             set_shard(new, mine if outer is None else replace(outer, then=mine))
             setattr(bank, name, new)
             names.append(f"{path}.{name}" if path else name)
-        bank.hidden_split = ExpertTensorSplit(group, etp_rank, etp)
+        sliced = sequence_parallel and not path.startswith(whole)
+        bank.hidden_split = ExpertTensorSplit(group, etp_rank, etp, sequence=sliced)
     if not banks and not partial:
         raise ValueError("parallel.etp > 1 needs a Mixture-of-Experts model (no MoE layer found)")
     return names

@@ -88,9 +88,13 @@ def parallelize(
             partial=partial,
         )
     if mesh.size("etp") > 1:
+        sp = par.sp and mesh.size("tp") > 1
         out.etp_params = apply_expert_tensor_parallel(
-            model, mesh.group("etp"), mesh.rank("etp"), mesh.size("etp"), partial=partial
+            model, mesh.group("etp"), mesh.rank("etp"), mesh.size("etp"), partial, sp
         )
+        # a slice's gradient comes from the whole etp group's rows: no sum over tp after
+        split = set(out.etp_params)
+        out.sp_params = [n for n in out.sp_params if n not in split]
     t = job.train
     out.recomputed = apply_recompute(
         model, t.recompute, t.recompute_layers, plans.recompute_plan(job.model), partial=partial

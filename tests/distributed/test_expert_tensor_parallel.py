@@ -42,6 +42,18 @@ LAYOUTS = {
     # etp 2 inside tp 4: two etp groups per tp group hold the same slices (the norm counts
     # them once)
     "tp4-etp2": (4, {"parallel__tp": 4, "parallel__etp": 2, "train__micro_batch_size": 4}),
+    # sequence parallelism: each rank routes its own slice, the rows gathered over etp = tp
+    "tp2-sp-etp2": (2, {**ETP, "parallel__sp": True, "train__micro_batch_size": 4}),
+    "tp2-sp-etp2-dp2-ep2": (
+        4,
+        {
+            **ETP,
+            "parallel__sp": True,
+            "parallel__dp": 2,
+            "parallel__ep": 2,
+            "train__micro_batch_size": 2,
+        },
+    ),
     # etp 1 inside tp 2 x dp 2: experts replicated over tp (today's layout) as a control
     "tp2-etp1-dp2": (4, {"parallel__tp": 2, "parallel__dp": 2, "train__micro_batch_size": 2}),
 }
@@ -98,7 +110,9 @@ def test_expert_tensor_parallel_checkpoint_resumes_in_one_process(trained):
     assert_same_training(read_metrics(trained / "w1" / "moe"), read_metrics(resumed))
 
 
-@pytest.mark.parametrize("name", ["tp2-etp2", "tp2-etp2-dp2-ep2", "tp4-etp2"])
+@pytest.mark.parametrize(
+    "name", ["tp2-etp2", "tp2-etp2-dp2-ep2", "tp4-etp2", "tp2-sp-etp2", "tp2-sp-etp2-dp2-ep2"]
+)
 def test_each_rank_holds_its_etp_slice_of_every_expert(trained, name):
     """w1, w3 (E, hidden, dim) and w2 (E, dim, hidden) of every routed expert bank hold
     hidden / etp columns on each rank (and E / ep experts under ep), the slice their `Shard`

@@ -628,8 +628,14 @@ def test_expert_tensor_parallel_validation():
         "parallel.etp = 2 splits routed experts: it needs a Mixture-of-Experts model "
         "(model.n_routed_experts > 0)"
     ]
+    # sequence parallelism with etp = tp: the rows gathered over the etp group
+    sp = {"tp": 2, "etp": 2, "sp": True}
+    assert config_from_dict({**moe, "parallel": sp}, world_size=2).parallel.sp
+    sp_part = {**moe, "parallel": {"tp": 4, "etp": 2, "sp": True}}
+    assert any(
+        "with parallel.sp and parallel.tp = 4 is not supported" in p for p in problems(sp_part, 4)
+    )
     refused = [
-        ({"parallel": {"sp": True}}, "with parallel.sp is not supported: under sequence"),
         ({"parallel": {"dp": 2, "zero": 3}}, "with parallel.zero = 3 is not supported: FSDP2"),
         ({"precision": {"fp8": "current"}}, "with precision.fp8 = 'current' is not supported"),
         ({"checkpoint": {"format": "sharded"}}, "with checkpoint.format = 'sharded' is not"),

@@ -130,22 +130,39 @@ class ExpertParallelExperts(Experts):
         return _AllToAll.apply(back, recv_rows, send_rows, self.group)  # (N, dim)
 
     def _all_gather(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, local, n = self.ep, self.n_local, x.shape[0]
-        parts = [torch.empty_like(counts) for _ in range(ep)]
-        dist.all_gather(parts, counts.contiguous(), group=self.group)
-        everyone = torch.stack(parts)  # (ep, E): rows each rank holds per expert
-        width = int(everyone.sum(1).max())  # rows of the longest rank: pad everyone to it
-        padded = torch.cat([x, x.new_zeros(width - n, x.shape[1])])  # (width, dim)
-        rows = tpl.gather_seq(padded[None], self.group)[0]  # (ep * width, dim), rank major
-        # Which gathered rows belong to my experts, in (local expert, source rank) order.
         me = dist.get_rank(self.group)
-        mine = everyone[:, me * local : (me + 1) * local]  # (ep, local) rows per (j, l)
-        before = everyone[:, : me * local].sum(1)  # (ep,) rows of lower experts, per rank
-        base = torch.arange(ep, device=x.device) * width + before  # (ep,) first row of mine
-        take = _shift(mine, base)  # (M,) indices into the gathered rows
-        out = super().forward(rows[take], mine.sum(0))  # (M, dim)
-        scattered = rows.new_zeros(rows.shape).index_copy(0, take, out)  # (ep * width, dim)
-        return tpl.reduce_scatter_seq(scattered[None], self.group)[0][:n]  # (N, dim)
+        mine = (me * self.n_local, (me + 1) * self.n_local)  # my experts' columns
+        rows, row_counts, undo = gather_rows(x, counts, self.group, mine)
+        return scatter_rows(super().forward(rows, row_counts), undo, self.group)
+
+
+def gather_rows(x: torch.Tensor, counts: torch.Tensor, group, experts: tuple[int, int]):
+    """Every rank's rows for experts [lo, hi) of a group: x (N, dim) holds counts[e] rows per
+    expert e on this rank. The group's rows are all-gathered (padded to the longest rank's)
+    and regrouped in (expert, source rank) order; returns (those rows (M, dim), rows per
+    expert (hi - lo,), what `scatter_rows` needs). The gather's backward sums the rows'
+    gradient over the group."""
+    size, n = dist.get_world_size(group), x.shape[0]
+    parts = [torch.empty_like(counts) for _ in range(size)]
+    dist.all_gather(parts, counts.contiguous(), group=group)
+    everyone = torch.stack(parts)  # (size, E): rows each rank holds per expert
+    width = int(everyone.sum(1).max())  # rows of the longest rank: pad everyone to it
+    padded = torch.cat([x, x.new_zeros(width - n, x.shape[1])])  # (width, dim)
+    gathered = tpl.gather_seq(padded[None], group)[0]  # (size * width, dim), rank major
+    lo, hi = experts
+    wanted = everyone[:, lo:hi]  # (size, hi - lo) rows per (rank, expert)
+    before = everyone[:, :lo].sum(1)  # (size,) rows of lower experts, per rank
+    base = torch.arange(size, device=x.device) * width + before  # (size,) first wanted row
+    take = _shift(wanted, base)  # (M,) indices into the gathered rows
+    return gathered[take], wanted.sum(0), (take, gathered.shape[0], n)
+
+
+def scatter_rows(out: torch.Tensor, undo, group) -> torch.Tensor:
+    """Outputs (M, dim) of `gather_rows`'s rows back to their ranks, summed over the group:
+    this rank's (N, dim). Backward: the gradient gathered."""
+    take, total, n = undo
+    scattered = out.new_zeros(total, out.shape[1]).index_copy(0, take, out)
+    return tpl.reduce_scatter_seq(scattered[None], group)[0][:n]
 
 
 def _shift(blocks: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

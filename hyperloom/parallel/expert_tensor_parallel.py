@@ -26,13 +26,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hyperloom.models.experts import Experts
 from hyperloom.models.shard import Shard, set_shard, shard_of
 from hyperloom.parallel import tensor_parallel as tpl
-from hyperloom.parallel.expert_parallel import _shift
+from hyperloom.parallel.expert_parallel import gather_rows, scatter_rows
 
 # parameter -> the dimension its hidden width runs along: w1, w3 (E, hidden, dim), w2 (E, dim,
 # hidden)
@@ -58,23 +57,13 @@ class ExpertTensorSplit:
         the bank's GEMMs; `undo` is what `leave` needs."""
         if not self.sequence:  # identity; backward sums the rows' gradient over etp ("f")
             return tpl.copy_to_tp(x, self.group), counts, None
-        parts = [torch.empty_like(counts) for _ in range(self.size)]
-        dist.all_gather(parts, counts.contiguous(), group=self.group)
-        everyone = torch.stack(parts)  # (etp, E_local): rows each rank holds per expert
-        n, width = x.shape[0], int(everyone.sum(1).max())
-        padded = torch.cat([x, x.new_zeros(width - n, x.shape[1])])  # (width, dim)
-        rows = tpl.gather_seq(padded[None], self.group)[0]  # (etp * width, dim), rank major
-        base = torch.arange(self.size, device=x.device) * width  # (etp,) first row per rank
-        take = _shift(everyone, base)  # (M,) the gathered rows in (expert, rank) order
-        return rows[take], everyone.sum(0), (take, rows.shape[0], n)
+        return gather_rows(x, counts, self.group, (0, counts.shape[0]))
 
     def leave(self, out: torch.Tensor, undo) -> torch.Tensor:
         """Partial outputs -> this rank's rows' outputs summed over etp."""
         if undo is None:  # summed over etp; backward the identity ("g")
             return tpl.reduce_from_tp(out, self.group)
-        take, total, n = undo
-        scattered = out.new_zeros(total, out.shape[1]).index_copy(0, take, out)
-        return tpl.reduce_scatter_seq(scattered[None], self.group)[0][:n]
+        return scatter_rows(out, undo, self.group)
 
 
 def apply_expert_tensor_parallel(

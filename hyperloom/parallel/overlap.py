@@ -127,6 +127,14 @@ class Duet:
             self.trace.append(Span(lane, "compute", self._since, now))
         self._since = now
 
+    def record(self, label: str, start: float, waiting: float, end: float) -> None:
+        """The holder's collective `label` (perf_counter times): in flight from `start`,
+        waited for from `waiting` (exposed) to `end`; its compute resumes now."""
+        lane, t0 = self._holder, self._t0
+        self.trace.append(Span(lane, label, start - t0, end - t0))
+        self.trace.append(Span(lane, f"{label}:wait", waiting - t0, end - t0))
+        self._since = self._now()
+
     def hand_over(self) -> bool:
         """Called by the baton holder after starting a collective: let the other lane
         compute until it starts one of its own or ends, then take the baton back. False
@@ -134,9 +142,9 @@ class Duet:
         with self._cond:
             me = self._holder
             other = 1 - me
+            self._close_span(me)  # the holder computed up to here
             if self._done[other]:
                 return False
-            self._close_span(me)
             self._holder = other
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._holder == me)
@@ -179,9 +187,6 @@ def wait_overlapped(work, label: str = "comm") -> None:
     of a running `Duet`, if any; counts the wait in `STATS` (and the trace)."""
     start = time.perf_counter()
     duet = _active
-    if duet is not None:
-        with duet._cond:
-            duet._close_span(duet._holder)  # the holder computed up to here
     handed = duet.hand_over() if duet is not None else False
     waiting = time.perf_counter()
     work.wait()
@@ -193,10 +198,7 @@ def wait_overlapped(work, label: str = "comm") -> None:
     if duet is not None:
         STATS.paired_in_flight_s += end - start
         STATS.paired_exposed_s += end - waiting
-        lane, t0 = duet._holder, duet._t0
-        duet.trace.append(Span(lane, label, start - t0, end - t0))  # in flight
-        duet.trace.append(Span(lane, f"{label}:wait", waiting - t0, end - t0))  # exposed
-        duet._since = duet._now()
+        duet.record(label, start, waiting, end)
 
 
 def running() -> bool:

@@ -7,6 +7,7 @@ clear message on stderr and exit status 2, never a traceback; a traceback means 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -140,7 +141,10 @@ def _train(cfg: JobConfig) -> int:
         return 0
     summary = result.summary
     lg = cfg.logging
-    if lg.sample_prompt and lg.sample_tokens > 0 and trainer.mesh.world_size == 1:
+    if cfg.model.family == "vlm":  # held-out answers and a caption instead of a text sample
+        if lg.eval_answers > 0 and summary.get("checkpoint"):
+            _vlm_report(out, trainer, summary, result.run_dir)
+    elif lg.sample_prompt and lg.sample_tokens > 0 and trainer.mesh.world_size == 1:
         loaded = LoadedModel(
             trainer.model, trainer.data.tokenizer, cfg, result.run_dir, trainer.acc
         )
@@ -158,6 +162,64 @@ def _train(cfg: JobConfig) -> int:
     return 0
 
 
+def _vlm_report(out, trainer, summary: dict, run_dir) -> None:
+    """A vlm's held-out accuracy and caption from its final checkpoint, loaded into this
+    process whatever layout trained it (`inference.multimodal`)."""
+    from hyperloom.inference import load_for_inference
+    from hyperloom.inference.multimodal import vlm_report
+    from hyperloom.train.report import write_summary
+
+    n = min(trainer.cfg.logging.eval_answers, len(trainer.data.val))
+    loaded = load_for_inference(summary["checkpoint"], device=trainer.cfg.train.device)
+    with _progress_bar(out, "held-out answers", n) as advance:
+        report = vlm_report(loaded, trainer.data.val, run_dir, n, advance)
+    summary["vlm_eval"] = report
+    write_summary(run_dir, summary)
+    out.rule("held-out answers")
+    for task, r in report["by_task"].items():
+        out.print(f"{task:>14}: {r['accuracy']:6.1%}  (chance {r['chance']:5.1%}, n={r['n']})")
+    out.print(
+        f"{'all':>14}: {report['accuracy']:6.1%}  (chance {report['chance']:5.1%}, "
+        f"n={report['n']}) in {report['seconds']:.1f} s"
+    )
+    cap = report["caption"]
+    out.print(f"caption of a held-out scene: {cap['generated']!r}", markup=False)
+    out.print(f"             its reference: {cap['reference']!r}", markup=False)
+    out.print(f"plot: {report['plot']}")
+    out.rule()
+
+
+def _generate_with_images(args: argparse.Namespace, loaded) -> int:
+    """`generate --image PATH [--image PATH ...]` on a vision-language checkpoint: the
+    images padded square and resized as in training, the prompt in the training template."""
+    from hyperloom.checkpoint import CheckpointError
+    from hyperloom.data.multimodal.dataset import normalize_images
+    from hyperloom.data.multimodal.llava import load_image
+    from hyperloom.inference.multimodal import answer, image_prompt
+
+    m = loaded.cfg.model
+    if m.family != "vlm":
+        raise CheckpointError(
+            f"--image needs a vision-language checkpoint (model.family = 'vlm'); "
+            f"{loaded.checkpoint} holds a '{m.family}' model"
+        )
+    if args.speculative:
+        raise UsageError("--speculative drafts with MTP modules, which a vlm has none of")
+    for path in args.image:
+        if not os.path.isfile(path):
+            raise UsageError(f"--image {path}: no such file")
+    pictures = [load_image(path, m.image_size, "--image") for path in args.image]
+    images = normalize_images(pictures, len(pictures), m.image_size) if pictures else None
+    try:
+        prompt = image_prompt(loaded, args.prompt, len(pictures))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling.update(seed=args.seed, use_cache=not args.no_cache)
+    print(answer(loaded, prompt, images, args.max_new_tokens, **sampling))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from hyperloom.inference import check_sampling, complete, load_for_inference
 
@@ -168,6 +230,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         name, message = problems[0]
         raise UsageError(f"--{name.replace('_', '-')} {message}")
     loaded = load_for_inference(args.checkpoint, device=args.device)
+    if args.image or loaded.cfg.model.family == "vlm":
+        return _generate_with_images(args, loaded)
     if args.speculative and loaded.cfg.model.mtp_depth == 0:
         from hyperloom.checkpoint import CheckpointError
 
@@ -356,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draft with the model's MTP modules, verify with the model (DeepSeek, mtp_depth > 0)",
     )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image for a vision-language checkpoint, once per <image> in the prompt "
+        "(prepended where the prompt has none)",
+    )
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
 
@@ -395,6 +466,18 @@ def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(tok)
         i += 1
     return rest, overrides
+
+
+@contextlib.contextmanager
+def _progress_bar(out: Console, what: str, total: int):
+    """A progress bar for `total` items of long work; yields advance(done)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        f"[bold]{what}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=out
+    ) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda done: bar.update(task, completed=done)
 
 
 def _console(stderr: bool = False) -> Console:

@@ -69,6 +69,7 @@ __all__ = [
     "latest_checkpoint",
     "latest_verified",
     "list_checkpoints",
+    "load_initial_weights",
     "load_model_state",
     "load_state",
     "load_train_state",
@@ -112,6 +113,38 @@ def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from hyperloom.checkpoint.whole import load_weights
 
     return load_weights(ckpt)
+
+
+def load_initial_weights(pm: ParallelModel, path: str | os.PathLike) -> dict[str, Any]:
+    """`checkpoint.init_from`: the weights a checkpoint shares with this model (same name
+    and whole shape) into this rank's layout; the rest keep their init. A collective only in
+    that every rank reads the file. Returns {checkpoint, loaded, kept_fresh, ignored} counts
+    and the fresh names' top-level parts; CheckpointError if nothing fits or a shape differs."""
+    from hyperloom.checkpoint.state import load_full_model_state
+
+    ckpt = resolve_checkpoint(path)
+    verify_checkpoint(ckpt)
+    saved = load_model_state(ckpt)
+    mine = {n for n, _ in pm.local_params()}
+    shared = mine & set(saved)
+    try:
+        loaded = load_full_model_state(pm, saved, partial=True)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint.init_from = {str(path)!r}: {exc}") from None
+    if not pm.pipelined and not shared:
+        raise CheckpointError(
+            f"checkpoint.init_from = {str(path)!r} shares no parameter name with this model "
+            f"(it holds e.g. {', '.join(sorted(saved)[:3])}; this model "
+            f"{', '.join(sorted(mine)[:3])})"
+        )
+    fresh = sorted(mine - shared)
+    return {
+        "checkpoint": str(ckpt),
+        "loaded": len(loaded),
+        "kept_fresh": len(fresh),
+        "fresh_parts": sorted({n.split(".")[0] for n in fresh}),
+        "ignored": len(set(saved) - mine) if not pm.pipelined else None,
+    }
 
 
 def state_to_save(pm: ParallelModel, opt, fmt: str) -> tuple[dict[str, torch.Tensor], Any]:

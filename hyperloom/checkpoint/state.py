@@ -50,13 +50,20 @@ def full_model_state(pm: ParallelModel) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> None:
+def load_full_model_state(
+    pm: ParallelModel, state: dict[str, torch.Tensor], partial: bool = False
+) -> list[str]:
+    """Slice whole tensors into this rank's parameters; returns the names loaded. `partial`:
+    load the names the state and the model share, leave the others as they are (a model
+    initialised in part from another's weights)."""
     params = pm.local_params()
     names = {n for n, _ in params}
     missing = names - set(state)
     # A pipeline rank holds a part of the model: the rest of the state is other ranks'.
     unexpected = set() if pm.pipelined else set(state) - names
-    if missing or unexpected:
+    if partial:
+        params = [(n, p) for n, p in params if n in state]
+    elif missing or unexpected:
         raise KeyError(
             f"state does not match the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
@@ -70,6 +77,7 @@ def load_full_model_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> 
                 f"{tuple(full_shape)}"
             )
         _copy_into(p, _place(state[name], p, shard))
+    return [n for n, _ in params]
 
 
 def _names(pm: ParallelModel) -> dict[int, tuple[str, nn.Parameter]]:

@@ -20,6 +20,11 @@ class CheckpointConfig:
     resume: str = knob(
         "auto", "auto = newest checkpoint in the run dir; none; or a checkpoint path"
     )
+    init_from: str = knob(
+        "",
+        "a fresh run starts from these weights (checkpoint or run dir; no optimizer state, "
+        "step 0): the names it shares with this model, e.g. a llama run for a vlm's decoder",
+    )
     async_save: bool = knob(
         False, "stage a CPU copy and write it in a background thread while training goes on"
     )

@@ -17,22 +17,29 @@ class DataConfig:
 
     source: str = knob(
         "stdlib",
-        "stdlib = the running Python's standard library source; or text / jsonl files",
-        choices=["stdlib", "text", "jsonl"],
+        "stdlib = the running Python's standard library source; or text / jsonl files; "
+        "scenes = built-in synthetic image-text set; llava = LLaVA JSONL in data.paths with "
+        "images under data.image_root",
+        choices=["stdlib", "text", "jsonl", "scenes", "llava"],
     )
-    paths: list[str] = knob(doc="files or directories for source text/jsonl", factory=list)
+    paths: list[str] = knob(doc="files or directories for source text/jsonl/llava", factory=list)
     text_field: str = knob("text", "JSONL field holding the document text")
     tokenizer: str = knob("", "path to a tokenizer.json; empty = built-in BPE trained and cached")
     eos_token: str = knob("<|endoftext|>", "token that separates documents")
     seq_len: int = knob(256, "tokens per training sequence")
     val_fraction: float = knob(0.02, "fraction of documents held out for validation")
     max_corpus_mb: float = knob(0.0, "use a deterministic subset of about this many MB (0 = all)")
+    image_root: str = knob(
+        "", "folder the llava JSONL's image paths are relative to; empty = the JSONL's folder"
+    )
+    max_images: int = knob(2, "images one sample may hold (the batch's image slots)")
+    scene_samples: int = knob(20000, "samples in the built-in scenes training split")
     cache_dir: str = knob(
         "", "tokenizer/token cache; empty = $HYPERLOOM_CACHE or ~/.cache/hyperloom"
     )
 
     def problems(self, job: JobConfig) -> list[str]:
-        """Sequence length against the model's RoPE tables; sources and their paths."""
+        """Sequence length against the model's RoPE tables; sources, paths, image slots."""
         d, max_seq_len = self, job.model.max_seq_len
         p = positive("data.seq_len", d.seq_len)
         if not p and d.seq_len > max_seq_len:
@@ -48,4 +55,12 @@ class DataConfig:
             p.append(f"data.source = '{d.source}' needs data.paths (files or directories)")
         if d.source == "stdlib" and d.paths:
             p.append("data.paths is only used with data.source = 'text' or 'jsonl'")
+        if d.source == "scenes" and d.paths:
+            p.append("data.paths is not used with data.source = 'scenes' (it is built in)")
+        if d.source == "llava" and not d.paths:
+            p.append("data.source = 'llava' needs data.paths (LLaVA JSONL files or directories)")
+        if d.max_images < 1:
+            p.append(f"data.max_images must be >= 1, got {d.max_images}")
+        if d.scene_samples < 1:
+            p.append(f"data.scene_samples must be >= 1, got {d.scene_samples}")
         return p

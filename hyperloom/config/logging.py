@@ -26,6 +26,11 @@ class LoggingConfig:
     plot: bool = knob(True, "write loss_curve.png")
     sample_prompt: str = knob("def ", "prompt for the sample printed after training ('' = none)")
     sample_tokens: int = knob(96, "tokens to generate for that sample")
+    eval_answers: int = knob(
+        200,
+        "vlm: held-out questions answered by greedy decoding after training, for the "
+        "accuracy, a caption and vlm_eval.png (0 = none)",
+    )
     self_check: str = knob(
         "auto",
         "planner's predicted step time and memory beside the measured ones: auto (a profile "
@@ -40,6 +45,8 @@ class LoggingConfig:
             p.append("logging.self_check is empty; use auto, off or a `plan calibrate` JSON")
         if self.peak_tflops < 0:
             p.append(f"logging.peak_tflops must be >= 0 (0 = measure), got {self.peak_tflops}")
+        if self.eval_answers < 0:
+            p.append(f"logging.eval_answers must be >= 0 (0 = none), got {self.eval_answers}")
         if self.sample_tokens < 0:
             p.append(f"logging.sample_tokens must be >= 0, got {self.sample_tokens}")
         return p

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hyperloom.config.base import build_section, knob
 from hyperloom.config.models.deepseek import DeepSeekFields, deepseek_problems, deepseek_tp_widths
 from hyperloom.config.models.llama import LlamaFields, decoder_problems, llama_tp_widths
+from hyperloom.config.models.vlm import VisionFields, vlm_problems, vlm_tp_widths
 
 if TYPE_CHECKING:
     from hyperloom.config.job import JobConfig
@@ -27,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-FAMILIES = ("llama", "deepseek")
+FAMILIES = ("llama", "deepseek", "vlm")
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -40,10 +41,16 @@ class ModelChoice:
 
 
 # A dataclass collects its bases' fields from the last base to the first: the choice, then
-# the decoder's keys, then DeepSeek's -- the order `hyperloom config show` prints.
+# the decoder's keys, then DeepSeek's, then the vision encoder's -- the order `hyperloom
+# config show` prints.
 @dataclass(frozen=True)
-class ModelConfig(DeepSeekFields, LlamaFields, ModelChoice):
+class ModelConfig(VisionFields, DeepSeekFields, LlamaFields, ModelChoice):
     """Architecture of the model. The defaults are the `tiny` preset."""
+
+    @property
+    def decoder_family(self) -> str:
+        """The family of the language model: the family itself, or a vlm's decoder."""
+        return self.vlm_decoder if self.family == "vlm" else self.family
 
     def problems(self, job: JobConfig) -> list[str]:
         """The decoder's shape: sizes, heads and RoPE (every family)."""
@@ -51,13 +58,14 @@ class ModelConfig(DeepSeekFields, LlamaFields, ModelChoice):
 
     def family_problems(self, job: JobConfig) -> list[str]:
         """The family groups' own keys, and the parallel layouts each family is built for."""
-        return deepseek_problems(job)
+        return deepseek_problems(job) + vlm_problems(job)
 
     def tp_split_widths(self) -> dict[str, int]:
         """The widths tensor parallelism splits, named for messages (this family's layers)."""
-        if self.family == "deepseek":
-            return deepseek_tp_widths(self)
-        return llama_tp_widths(self)
+        widths = vlm_tp_widths(self) if self.family == "vlm" else {}
+        if self.decoder_family == "deepseek":
+            return deepseek_tp_widths(self) | widths
+        return llama_tp_widths(self) | widths
 
 
 @functools.cache

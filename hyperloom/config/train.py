@@ -92,6 +92,11 @@ class TrainConfig:
         "recompute auto: the peak memory a rank may use, GB (0 = the device's capacity minus "
         "the planner's margin; on CPU the host memory available, shared by the local ranks)",
     )
+    freeze: list[str] = knob(
+        doc="parameters that do not train: parts (vision, projector, decoder of a vlm) or "
+        'globs over names, e.g. ["vision", "decoder"] aligns a vlm\'s projector alone',
+        factory=list,
+    )
     host_allocator: str = knob(
         "cache",
         "CPU runs: glibc malloc keeps freed memory for reuse, as a caching allocator does "

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,29 +122,36 @@ def _text_documents(f: SourceFile, eos_token: str) -> list[Document]:
     return [Document(f"{f.name}#{k}", part) for k, part in enumerate(parts) if part.strip()]
 
 
-def _jsonl_documents(f: SourceFile, text_field: str) -> list[Document]:
-    docs = []
-    with open(f.path, encoding="utf-8", errors="replace") as fh:
+def jsonl_objects(path: Path) -> Iterator[tuple[int, str, dict]]:
+    """(line number, "JSONL line N of file F" for messages, the object) for each non-blank
+    line of a JSONL file; DataError naming the line for one that is not a JSON object."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
-            where = f"JSONL line {line_no} of file {str(f.path)!r}"
+            where = f"JSONL line {line_no} of file {str(path)!r}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(record, dict):
                 raise DataError(f"{where} is a JSON {type(record).__name__}, expected an object")
-            if text_field not in record:
-                keys = ", ".join(sorted(record)) or "none"
-                raise DataError(f"{where} lacks field {text_field!r} (fields present: {keys})")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{where}: field {text_field!r} is a {type(text).__name__}, expected a string"
-                )
-            if text.strip():
-                docs.append(Document(f"{f.name}#{line_no}", text))
+            yield line_no, where, record
+
+
+def _jsonl_documents(f: SourceFile, text_field: str) -> list[Document]:
+    docs = []
+    for line_no, where, record in jsonl_objects(f.path):
+        if text_field not in record:
+            keys = ", ".join(sorted(record)) or "none"
+            raise DataError(f"{where} lacks field {text_field!r} (fields present: {keys})")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field {text_field!r} is a {type(text).__name__}, expected a string"
+            )
+        if text.strip():
+            docs.append(Document(f"{f.name}#{line_no}", text))
     return docs
 
 

@@ -86,6 +86,10 @@ class ResumableLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (inputs, labels), each int64 of shape (batch_size, seq_len)."""
+        return _split(self.dataset.windows(self._next_indices(), self.seq_len))
+
+    def _next_indices(self) -> np.ndarray:
+        """The next batch_size sequence indices in the epochs' orders (advances the state)."""
         picked: list[np.ndarray] = []
         need = self.batch_size
         while need > 0:
@@ -97,7 +101,7 @@ class ResumableLoader:
             if self.index == self.num_sequences:
                 self.epoch += 1
                 self.index = 0
-        return _split(self.dataset.windows(np.concatenate(picked), self.seq_len))
+        return np.concatenate(picked)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless batches; the loader never stops on its own (epochs roll over)."""

@@ -27,6 +27,7 @@ from hyperloom.inference.sampling import (
 )
 from hyperloom.models.llama import KVCache
 from hyperloom.models.registry import build_model
+from hyperloom.models.vlm.inputs import ImageTokens
 
 log = logging.getLogger("hyperloom.generate")
 
@@ -45,8 +46,11 @@ def generate(
     seed: int = 0,
     acc: Accelerator | None = None,
     dtype: torch.dtype = torch.float32,
+    images: torch.Tensor | None = None,
 ) -> list[int]:
-    """Continue `prompt`; stops at `max_new_tokens`, at `eos_id`, or at model.max_seq_len."""
+    """Continue `prompt`; stops at `max_new_tokens`, at `eos_id`, or at model.max_seq_len.
+    `images` (n, 3, H, W): a vision-language model's images for the prompt's placeholders,
+    encoded once with the prompt (prefill)."""
     require_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     acc = acc or Accelerator("cpu")
     total = decode_length(model, prompt, max_new_tokens)
@@ -66,6 +70,8 @@ def generate(
         # With a cache, feed only the tokens the cache has not seen yet.
         chunk = tokens[pos:] if use_cache else tokens
         x = torch.tensor([chunk], device=acc.device)
+        if images is not None and (pos == 0 or not use_cache):  # the prompt's placeholders
+            x = ImageTokens(x, images[None].to(acc.device))
         with acc.autocast(dtype):
             logits = model(x, cache=cache, start_pos=pos if use_cache else 0)
         if use_cache:

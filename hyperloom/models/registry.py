@@ -35,6 +35,9 @@ class ModelFamily:
     # those of the multi-token-prediction modules inside param_count (None = none).
     active_param_count: Callable[[ModelConfig], int] | None = None
     mtp_param_count: Callable[[ModelConfig], int] | None = None
+    # Towers beside the decoder (a vlm's vision encoder): submodule path -> the recompute plan
+    # of its blocks (`layers`), which take the decoder blocks' recompute policy.
+    tower_recompute_plans: Callable[[ModelConfig], dict[str, dict[str, list]]] | None = None
 
 
 def _llama() -> ModelFamily:
@@ -75,7 +78,40 @@ def _deepseek() -> ModelFamily:
     )
 
 
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"llama": _llama, "deepseek": _deepseek}
+def _vlm() -> ModelFamily:
+    from hyperloom.models import vlm
+    from hyperloom.models.vlm.plan import (
+        pipeline_chunk,
+        recompute_plan,
+        tower_recompute_plans,
+        tp_plan,
+    )
+
+    def build(cfg: ModelConfig) -> nn.Module:
+        return vlm.build_vlm(cfg)
+
+    def mtp_param_count(cfg: ModelConfig) -> int:
+        return 0  # refused for a vlm (config.models.vlm)
+
+    return ModelFamily(
+        "vlm",
+        build,
+        vlm.param_count,
+        vlm.training_flops_per_token,
+        tp_plan,
+        pipeline_chunk,
+        recompute_plan,
+        active_param_count=vlm.active_param_count,
+        mtp_param_count=mtp_param_count,
+        tower_recompute_plans=tower_recompute_plans,
+    )
+
+
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {
+    "llama": _llama,
+    "deepseek": _deepseek,
+    "vlm": _vlm,
+}
 
 
 def family(name: str) -> ModelFamily:

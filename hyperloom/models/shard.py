@@ -9,6 +9,7 @@ parameters would send every op through DTensor's dispatch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,3 +78,11 @@ def shards_by_name(model: nn.Module) -> dict[str, Shard]:
 def restore_shards(model: nn.Module, shards: dict[str, Shard]) -> None:
     for name, shard in shards.items():
         set_shard(model.get_parameter(name), shard)
+
+
+def whole_sequence(model) -> Callable[[str], bool]:
+    """Whether a module path lies in (or is) one of the model's `whole_sequence_modules`:
+    submodules that run on whole sequences under sequence and context parallelism
+    (DeepSeek's MTP; a vision-language model's embedding, encoder and projector)."""
+    names = tuple(getattr(model, "whole_sequence_modules", ()))
+    return lambda path: any(path == n or path.startswith(f"{n}.") for n in names)

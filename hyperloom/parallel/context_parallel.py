@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperloom.engine.ops.attention import attention_block, attention_block_backward
+from hyperloom.models.shard import whole_sequence
 
 FORMS = ("ring", "alltoall")
 
@@ -164,10 +165,8 @@ def apply_context_parallel(model: nn.Module, shard: ContextShard) -> int:
     losses, the model's loss) at `shard`; returns how many modules it reached. Submodules
     the model names in `whole_sequence_modules` keep None: it runs them on whole sequences
     (DeepSeek's MTP, which reads token i + k)."""
-    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
-    hooked = [
-        m for n, m in model.named_modules() if hasattr(m, "context") and not n.startswith(whole)
-    ]
+    whole = whole_sequence(model)
+    hooked = [m for n, m in model.named_modules() if hasattr(m, "context") and not whole(n)]
     for m in hooked:
         m.context = shard
     return len(hooked)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hyperloom.models.experts import Experts
-from hyperloom.models.shard import Shard, set_shard, shard_of
+from hyperloom.models.shard import Shard, set_shard, shard_of, whole_sequence
 from hyperloom.parallel import tensor_parallel as tpl
 from hyperloom.parallel.expert_parallel import gather_rows, scatter_rows
 
@@ -80,7 +80,7 @@ def apply_expert_tensor_parallel(
     (etp = tp), except those under the model's `whole_sequence_modules` (DeepSeek's MTP),
     whose rows every tp rank holds alike."""
     names = []
-    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
+    whole = whole_sequence(model)
     banks = [(path, m) for path, m in model.named_modules() if isinstance(m, Experts)]
     for path, bank in banks:
         if bank.recipe is not None:
@@ -103,7 +103,7 @@ def apply_expert_tensor_parallel(
             set_shard(new, mine if outer is None else replace(outer, then=mine))
             setattr(bank, name, new)
             names.append(f"{path}.{name}" if path else name)
-        sliced = sequence_parallel and not path.startswith(whole)
+        sliced = sequence_parallel and not whole(path)
         bank.hidden_split = ExpertTensorSplit(group, etp_rank, etp, sequence=sliced)
     if not banks and not partial:
         raise ValueError("parallel.etp > 1 needs a Mixture-of-Experts model (no MoE layer found)")

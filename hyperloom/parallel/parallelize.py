@@ -8,7 +8,9 @@ Slots, in this fixed order, each its own module:
 3. context (`parallel.context_parallel`): attention, RoPE and loss over the cp ranks;
 4. expert (`parallel.expert_parallel`): each rank keeps E / ep experts of every bank, then
    (`parallel.expert_tensor_parallel`, `parallel.etp`) 1/etp of each one's hidden width;
-5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`;
+5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`, on the
+   decoder's blocks and a tower's (a vlm's encoder); then the frozen parameters
+   (`train.freeze`, `models.freeze`) stop requiring gradients;
 6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
 7. compile (`train.compile`), last, so dynamo sees DDP's hooks.
 
@@ -28,6 +30,7 @@ from torch import nn
 from hyperloom.config import JobConfig
 from hyperloom.engine.fp8 import reset_fp8_state
 from hyperloom.engine.ops import OpImpls, use_ops
+from hyperloom.models.freeze import apply_freeze
 from hyperloom.models.registry import ModelFamily, build_model, family
 from hyperloom.models.shard import restore_shards, shards_by_name
 from hyperloom.parallel.context_parallel import apply_context_parallel, context_shard
@@ -52,6 +55,7 @@ class Sharding:
     experts: ExpertParallelism | None = None  # routed experts split over ep
     etp_params: list[str] = field(default_factory=list)  # expert weights split over etp
     recomputed: int = 0  # blocks that recompute (train.recompute)
+    frozen: list[str] = field(default_factory=list)  # parameters that do not train
 
 
 def parallelize(
@@ -99,6 +103,12 @@ def parallelize(
     out.recomputed = apply_recompute(
         model, t.recompute, t.recompute_layers, plans.recompute_plan(job.model), partial=partial
     )
+    towers = plans.tower_recompute_plans(job.model) if plans.tower_recompute_plans else {}
+    for path, plan in towers.items():  # a vlm's encoder blocks take the same policy
+        tower = getattr(model, path, None)
+        if tower is not None:
+            apply_recompute(tower, t.recompute, t.recompute_layers, plan, partial=True)
+    out.frozen = apply_freeze(model, t.freeze)
     return out
 
 

@@ -40,9 +40,11 @@ from torch import nn
 from hyperloom.engine.fp8.modules import Fp8State, active_recipe, fp8_linear
 from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling
 from hyperloom.engine.ops import linear_cross_entropy
-from hyperloom.models.shard import Shard, set_shard
+from hyperloom.engine.ops.cross_entropy import cross_entropy_reference, token_weights
+from hyperloom.models.shard import Shard, set_shard, whole_sequence
 
 SEQ_DIM = 1
+IGNORE_INDEX = -100  # labels that take no part in the loss (prompts, padding)
 
 
 def _world(group) -> int:
@@ -143,6 +145,21 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
+class _ScatterSeq(torch.autograd.Function):
+    """Full sequence, alike on every rank -> this rank's slice; backward all-gathers the
+    gradient, so the producer (alike on every rank) gets the whole one (Megatron's
+    `scatter_to_sequence_parallel_region`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(_world(group), dim=SEQ_DIM)[_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
 def copy_to_tp(x, group):
     return x if group is None else _CopyToTP.apply(x, group)
 
@@ -175,6 +192,11 @@ class SequenceShard:
         """(b, s / tp, ...) -> (b, s, ...) for a region every tp rank computes alike (so its
         gradient is whole on each): the backward keeps this rank's slice."""
         return gather_seq_whole_grad(x, self.group)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, s, ...) alike on every rank -> this rank's (b, s / tp, ...); the backward
+        gathers the gradient whole (a vision-language model's merged embeddings)."""
+        return _ScatterSeq.apply(x, self.group)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the tp ranks of a per-slice quantity, for a loss every tp rank
@@ -230,10 +252,10 @@ class _TPLinear(Fp8State, nn.Module):
             )
         self._setup_fp8(recipe, 1, getattr(linear, "fp8_activation", False), linear.weight.device)
 
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         recipe = None if self.recipe is None else active_recipe(self.recipe)
         if recipe is None:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, bias)
         group = self.group
         reduce = None
         if group is not None:
@@ -243,7 +265,7 @@ class _TPLinear(Fp8State, nn.Module):
 
             reduce = dict.fromkeys(self.sharded_roles, reduce_max)
         states = self._states(recipe)
-        return fp8_linear(x, self.weight, None, recipe, states, self.fp8_activation, reduce)
+        return fp8_linear(x, self.weight, bias, recipe, states, self.fp8_activation, reduce)
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -260,10 +282,14 @@ class ColumnParallelLinear(_TPLinear):
         super().__init__()
         self.group = group
         self.weight = _shard_param(tuple(linear.weight.shape), 0, group, linear.weight)
+        # a bias splits with the output features
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _shard_param(tuple(linear.bias.shape), 0, group, linear.bias)
         self._init_fp8(linear, group, self.weight.shape[0], "output-feature")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x)  # (b, s, out / tp)
+        return self._linear(x, self.bias)  # (b, s, out / tp)
 
 
 def prepare_tp_input(module: nn.Module, group, sequence_parallel: bool) -> None:
@@ -329,13 +355,18 @@ class RowParallelLinear(_TPLinear):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_param(tuple(linear.weight.shape), 1, group, linear.weight)
+        # a bias is whole on every rank, added once after the sum (under sp to this rank's
+        # tokens: its gradient is then a partial sum, `apply_tensor_parallel` says so)
+        self.bias = linear.bias
         self._init_fp8(linear, group, self.weight.shape[1], "input-feature")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self._linear(x)  # (b, s, out), this rank's share of the sum
         if self.sequence_parallel:
-            return reduce_scatter_seq(partial, self.group)  # (b, s/tp, out)
-        return reduce_from_tp(partial, self.group)
+            out = reduce_scatter_seq(partial, self.group)  # (b, s/tp, out)
+        else:
+            out = reduce_from_tp(partial, self.group)
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -388,12 +419,14 @@ class VocabParallelHead(nn.Module):
         impl: str,
         chunk_tokens: int = 0,
         whole_sequence: bool = False,
+        reduction: str = "mean",
     ):
-        """Mean cross-entropy of this head on h against labels (b, s), vocab-parallel:
-        chunked and fused with the projection unless `impl` is "reference".
+        """Cross-entropy of this head on h against labels (b, s), vocab-parallel: chunked
+        and fused with the projection unless `impl` is "reference".
         `whole_sequence`: h holds whole sequences under sp too (copied, not gathered)."""
         if impl == "reference":
-            return vocab_parallel_cross_entropy(self(h, whole_sequence), labels, self.group)
+            logits = self(h, whole_sequence)
+            return vocab_parallel_cross_entropy(logits, labels, self.group, reduction)
         weight = self._source.weight if self.tied else self.weight
         h = self._input(h, whole_sequence)
         group = self.group
@@ -410,6 +443,7 @@ class VocabParallelHead(nn.Module):
             vocab_start=_rank(group) * weight.shape[0],
             all_reduce=all_reduce if group is not None else None,
             impl=impl,
+            reduction=reduction,
         )
 
 
@@ -447,13 +481,18 @@ class _VocabParallelCE(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.in_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
-    """Mean token cross-entropy from vocab-sharded logits (b, s, v/tp) and labels (b, s)."""
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group, reduction: str = "mean"
+) -> torch.Tensor:
+    """Token cross-entropy from vocab-sharded logits (b, s, v/tp) and labels (b, s), reduced
+    as `reduction` says (engine.ops.token_weights); labels -100 are ignored."""
     if group is None:
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return cross_entropy_reference(logits, labels, reduction=reduction)
     vocab_start = _rank(group) * logits.shape[-1]
     losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), group, vocab_start)
-    return losses.mean()
+    if reduction == "mean" and bool((labels != IGNORE_INDEX).all()):
+        return losses.mean()
+    return (losses * token_weights(labels, IGNORE_INDEX, reduction)).sum()
 
 
 STYLES = (
@@ -495,11 +534,11 @@ def apply_tensor_parallel(
     Modules under the model's `whole_sequence_modules` get their styles without sp.
     """
     sp_params: list[str] = []
-    whole = tuple(f"{n}." for n in getattr(model, "whole_sequence_modules", ()))
+    whole = whole_sequence(model)
     if sequence_parallel:
         shard = SequenceShard(group)
         for name, m in model.named_modules():
-            if hasattr(m, "sequence") and not name.startswith(whole):
+            if hasattr(m, "sequence") and not whole(name):
                 m.sequence = shard
     for pattern, style in plan.items():
         if style not in STYLES:
@@ -516,11 +555,13 @@ def apply_tensor_parallel(
             continue
         for path in paths:
             old = model.get_submodule(path)
-            sp = sequence_parallel and not path.startswith(whole)
+            sp = sequence_parallel and not whole(path)
             if style == "colwise":
                 _set_submodule(model, path, ColumnParallelLinear(old, group))
             elif style == "rowwise":
                 _set_submodule(model, path, RowParallelLinear(old, group, sp))
+                if sp and old.bias is not None:
+                    sp_params.append(f"{path}.bias")
             elif style == "vocab_embedding":
                 _set_submodule(model, path, VocabParallelEmbedding(old, group, sp))
             elif style == "vocab_head":

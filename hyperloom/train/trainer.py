@@ -28,11 +28,17 @@ from hyperloom.accelerator import (
     get_accelerator,
     measure_matmul_tflops,
 )
-from hyperloom.config import JobConfig, dumps_toml, is_auto, pipeline_microbatches
+from hyperloom.config import ConfigError, JobConfig, dumps_toml, is_auto, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
+from hyperloom.data.multimodal import (
+    MultimodalLoader,
+    build_multimodal_data,
+    multimodal_val_batches,
+)
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
-from hyperloom.models.registry import family
+from hyperloom.models.freeze import freeze_problems
+from hyperloom.models.registry import build_model, family
 from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed, overlap
 from hyperloom.parallel.context_parallel import context_shard
 from hyperloom.pipeline.runtime import build_pipeline
@@ -66,6 +72,10 @@ class Trainer:
         self.host_allocator = (
             configure_host_allocator(t.host_allocator) if self.acc.kind == "cpu" else None
         )
+        if t.freeze:  # checked on the whole model before any process group exists
+            problems = freeze_problems(build_model(cfg.model), t.freeze)
+            if problems:
+                raise ConfigError(problems)
         init_distributed(self.acc)
         self.mesh = build_mesh(cfg.parallel, self.acc)
         self.dtype = DTYPES[cfg.precision.dtype]
@@ -95,13 +105,19 @@ class Trainer:
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
         # Under pp each step feeds `microbatches` micro-batches of micro_batch_size rows.
         self.rows = t.micro_batch_size * pipeline_microbatches(cfg.parallel)
-        self.loader = ResumableLoader(
+        self.multimodal = cfg.model.family == "vlm"  # batches of ImageTokens (models.vlm)
+        make_loader, make_val = (
+            (MultimodalLoader, multimodal_val_batches)
+            if self.multimodal
+            else (ResumableLoader, val_batches)
+        )
+        self.loader = make_loader(
             self.data.train, self.rows * self.dp, cfg.data.seq_len, seed=t.seed
         )
         # Context parallelism: each cp rank keeps its chunks of every sequence (inputs and
         # labels alike), and losses are averaged over the cp ranks as well as dp.
         self.context = context_shard(self.mesh, cfg.parallel.cp_comm)
-        val = val_batches(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
+        val = make_val(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
         self.val = [self._context_part(x, y) for x, y in val]
         fam = family(cfg.model.family)
         self.n_params = fam.param_count(cfg.model)
@@ -116,7 +132,20 @@ class Trainer:
         # The main rank fills the cache first; the others then read it instead of racing.
         if self.mesh.world_size > 1 and not self.mesh.is_main:
             dist.barrier()
-        bundle = build_data(self.cfg.data, self.cfg.model.vocab_size)
+        m = self.cfg.model
+        if m.family == "vlm":  # image-text samples with image placeholders
+            from hyperloom.config.models.vlm import tokens_per_image
+
+            mm = build_multimodal_data(
+                self.cfg.data,
+                vocab_size=m.vocab_size,
+                image_size=m.image_size,
+                image_token_id=m.image_token_id,
+                tokens_per_image=tokens_per_image(m),
+            )
+            bundle = DataBundle(mm.tokenizer, mm.train, mm.val, mm.info)
+        else:
+            bundle = build_data(self.cfg.data, m.vocab_size)
         if self.mesh.world_size > 1 and self.mesh.is_main:
             dist.barrier()
         return bundle
@@ -226,6 +255,22 @@ class Trainer:
         if path is None:
             return
         self.load_checkpoint(path)
+
+    def maybe_init_from(self) -> dict[str, Any] | None:
+        """`checkpoint.init_from` for a run that resumed nothing: weights only, step 0 (a
+        training stage starting from the last one's result, or a decoder from a text run)."""
+        source = self.cfg.checkpoint.init_from
+        if not source or self.resumed_from is not None:
+            return None
+        report = ckpt.load_initial_weights(self.pm, source)
+        log.info(
+            "initialised %d tensors from %s; %d kept their init (%s)",
+            report["loaded"],
+            report["checkpoint"],
+            report["kept_fresh"],
+            ", ".join(report["fresh_parts"]) or "none",
+        )
+        return report
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore everything a verified checkpoint holds (also a resilience rollback)."""
@@ -376,7 +421,6 @@ class Trainer:
         """`train.recompute = auto`: the main rank asks the planner for each stage's policy
         (planner.autorecompute) and tells the others; a budget nothing fits is a ConfigError
         on every rank."""
-        from hyperloom.config import ConfigError
         from hyperloom.planner import PlanError
         from hyperloom.planner.autorecompute import for_job
         from hyperloom.planner.simulate import DEFAULT_MARGIN_GIB
@@ -426,6 +470,7 @@ class Trainer:
     def run(self) -> RunResult:
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
         self.maybe_resume()
+        initialised = self.maybe_init_from()
         end_step = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
         if self.step >= end_step:
             log.warning(
@@ -552,6 +597,8 @@ class Trainer:
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
         summary["layout"] = self.mesh.describe()
+        if initialised is not None:
+            summary["initialised_from"] = initialised
         if self.host_allocator is not None:
             summary["host_allocator"] = self.host_allocator
         summary["peak_memory_gb_per_rank"] = self._per_rank(summary["peak_memory_gb"])

@@ -537,8 +537,9 @@ def test_model_fields_keep_the_section_order():
     names = [f.name for f in dataclasses.fields(ModelConfig)]
     assert names[:3] == ["preset", "family", "vocab_size"]
     assert names.index("dropout") + 1 == names.index("n_routed_experts")
-    assert names[-2:] == ["mtp_depth", "mtp_loss_weight"]
-    assert len(names) == 44
+    assert names.index("mtp_loss_weight") + 1 == names.index("vlm_decoder")
+    assert names[-2:] == ["pixel_shuffle", "image_token_id"]
+    assert len(names) == 62  # 2 choice + 17 decoder + 25 deepseek + 18 vision keys
 
 
 def test_schedule_shapes_have_one_rule():

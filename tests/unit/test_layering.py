@@ -68,7 +68,7 @@ SAME_LEVEL_ALLOWED: set[tuple[str, str]] = {
 }
 
 # Model families: hyperloom/parallel/ may import none of them.
-MODEL_FAMILIES = ("hyperloom.models.llama", "hyperloom.models.deepseek")
+MODEL_FAMILIES = ("hyperloom.models.llama", "hyperloom.models.deepseek", "hyperloom.models.vlm")
 
 ROOT = Path(__file__).resolve().parents[2] / "hyperloom"
 

@@ -61,14 +61,15 @@ def deepseek_problems(job: JobConfig) -> list[str]:
     For another family: these keys unset and no expert parallelism."""
     m, par = job.model, job.parallel
     out: list[str] = []
-    if m.family != "deepseek":
+    if m.decoder_family != "deepseek":
         used = [
             f.name for f in dataclasses.fields(DeepSeekFields) if getattr(m, f.name) != f.default
         ]
         if used:
             also = ", ".join(f"model.{k}" for k in used[1:])
             out.append(
-                f"model.{used[0]} needs model.family = 'deepseek' (got '{m.family}')"
+                f"model.{used[0]} needs model.family = 'deepseek' or a vlm with "
+                f"model.vlm_decoder = 'deepseek' (got '{m.family}')"
                 + (f"; so do {also}" if also else "")
             )
         if par.ep > 1:

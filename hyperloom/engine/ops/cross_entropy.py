@@ -31,11 +31,39 @@ from hyperloom.engine.ops.kernels import autocast_off, check_impl, kernel
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "max" | "sum") -> reduced
 
 
+REDUCTIONS = ("mean", "sum", "sample_mean")
+
+
+def token_weights(labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Each token's weight in the reduced loss, float32 (tokens,), zero where ignored.
+
+    "mean": 1 / (valid tokens); "sum": 1; "sample_mean": each row (sample) of labels
+    (..., seq) averaged over its own valid tokens, then the rows averaged. A sample's weight
+    then does not depend on which others share its batch, so a micro-batch's mean of sample
+    means gives the same global mean for any split of the rows (pipeline, data parallel)
+    when answers -- the labelled tokens of a conversation -- differ in length."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    valid = (labels != ignore_index).float()
+    if reduction == "sum":
+        return valid.reshape(-1)
+    if reduction == "mean":
+        return (valid / valid.sum().clamp(min=1)).reshape(-1)
+    rows = valid.reshape(-1, labels.shape[-1])  # (samples, seq)
+    per_row = rows / rows.sum(-1, keepdim=True).clamp(min=1)
+    return (per_row / rows.shape[0]).reshape(-1)
+
+
 def cross_entropy_reference(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:
     """Float32 cross-entropy of logits (..., vocab) against labels (...)."""
     flat = logits.float().reshape(-1, logits.shape[-1])  # (tokens, vocab)
+    if reduction == "sample_mean":
+        losses = F.cross_entropy(
+            flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none"
+        )
+        return (losses * token_weights(labels, ignore_index, reduction)).sum()
     return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
 
@@ -130,6 +158,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = lab != ignore_index
         n_valid = valid.sum().clamp(min=1).float()
         scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=h.device)
+        # sample_mean: a weight per token (scale stays 1); mean and sum: one scale
+        weights = (
+            token_weights(labels, ignore_index, reduction) if reduction == "sample_mean" else None
+        )
         with autocast_off(h.device):
             hc, wc = h.to(cdt), weight.to(cdt)
             grad_h = torch.empty_like(h) if need_grad and hidden.requires_grad else None
@@ -151,10 +183,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 s, target = _sumexp_target(z, m, idx, inside, impl=impl)
                 if all_reduce is not None:
                     s, target = all_reduce(torch.stack([s, target]), "sum").unbind(0)
-                loss += torch.where(ok, s.log() - target, torch.zeros_like(s)).sum()
+                token_loss = torch.where(ok, s.log() - target, torch.zeros_like(s))
+                if weights is None:
+                    loss += token_loss.sum()
+                    row_scale = ok.float() * scale
+                else:
+                    row_scale = weights[start : start + chunk]
+                    loss += (token_loss * row_scale).sum()
                 if grad_h is None and grad_w is None:
                     continue
-                row_scale = ok.float() * scale
                 dz = _logit_grad(z, m, s, idx, inside, row_scale, impl=impl)  # (c, vocab)
                 del z
                 if grad_h is not None:
@@ -194,11 +231,12 @@ def linear_cross_entropy(
     `weight` (vocab, dim) may be this rank's vocabulary slice starting at `vocab_start`; then
     `all_reduce(t, "max" | "sum")` must reduce per-token tensors over the ranks that hold the
     other slices. `chunk_tokens` = 0 picks the chunk size automatically. `reduction` is
-    "mean" (over tokens whose label is not `ignore_index`) or "sum".
+    "mean" (over tokens whose label is not `ignore_index`), "sum" or "sample_mean" (each
+    row's mean, averaged over rows: `token_weights`).
     """
     check_impl(impl)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if impl == "reference" and all_reduce is None:
         return linear_cross_entropy_reference(hidden, weight, labels, ignore_index, reduction)
     n = hidden.numel() // hidden.shape[-1]

@@ -40,7 +40,6 @@ from hyperloom.models.llama.model import (
     TransformerBlock,
     draw_normal,
     param_generator,
-    stage_input,
 )
 
 # Output projections into the residual stream: their init std is scaled by 1/sqrt(2 L).
@@ -103,6 +102,8 @@ class DeepSeekV3(nn.Module):
 
     use_ops = Llama.use_ops  # select the operator implementations of every module
     materialize = Llama.materialize  # to_empty on `device`, then init_weights(seed)
+    embed = Llama.embed  # the first block's input
+    loss_reduction = Llama.loss_reduction
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -151,7 +152,7 @@ class DeepSeekV3(nn.Module):
     ) -> torch.Tensor:
         """Logits (b, s, vocab); given labels (b, s), the mean loss (float32), in training
         plus the MTP and auxiliary balance losses."""
-        h = stage_input(self, tokens, start_pos)  # (b, s, dim)
+        h = self.embed(tokens, start_pos)  # (b, s, dim)
         if self.training:  # only this forward's auxiliary losses may reach the loss
             for m in self.moe_layers().values():
                 m.aux_loss = None

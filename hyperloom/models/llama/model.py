@@ -223,6 +223,9 @@ class Llama(nn.Module):
     states out unless the stage holds `norm` (and the head).
     """
 
+    # The loss's reduction over labelled tokens (engine.ops.token_weights): the token mean.
+    loss_reduction = "mean"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -294,7 +297,7 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (b, s, vocab); or, given labels (b, s), the mean cross-entropy (float32)."""
-        h = stage_input(self, tokens, start_pos)  # (b, s, dim)
+        h = self.embed(tokens, start_pos)  # (b, s, dim)
         # From start_pos on; attention cuts them to its (whole, gathered) sequence length.
         cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (max - start, d)
         for layer in self.layers.values():
@@ -308,6 +311,10 @@ class Llama(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, vocab)
         return self.output(h)  # (b, s, vocab), or a vocab shard under tensor parallelism
 
+    def embed(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The first block's input: `stage_input` (a vision-language model adds images)."""
+        return stage_input(self, tokens, start_pos)
+
     def loss(
         self, h: torch.Tensor, labels: torch.Tensor, whole_sequence: bool = False
     ) -> torch.Tensor:
@@ -315,10 +322,12 @@ class Llama(nn.Module):
         `whole_sequence`: h holds whole sequences even under sequence parallelism (DeepSeek's
         MTP)."""
         parallel_loss = getattr(self.output, "loss", None)
+        reduction = self.loss_reduction
         if parallel_loss is not None:  # a vocab-parallel head brings its own (tensor_parallel)
             loss = parallel_loss(
-                h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens, whole_sequence
-            )
+                h, labels, self.ops.cross_entropy, self.ops.ce_chunk_tokens, whole_sequence,
+                reduction,
+            )  # fmt: skip
         else:
             weight = self.tok_embeddings.weight if self.output is None else self.output.weight
             loss = ops.linear_cross_entropy(
@@ -327,6 +336,7 @@ class Llama(nn.Module):
                 labels,
                 chunk_tokens=self.ops.ce_chunk_tokens,
                 impl=self.ops.cross_entropy,
+                reduction=reduction,
             )
         if self.context is not None:  # the mean over the cp ranks is the sequence's mean
             loss = self.context.weight_loss(loss, labels)

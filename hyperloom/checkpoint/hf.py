@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +37,14 @@ class HFAdapter:
     from_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
     hf_config: Callable[[Any], Any]
     config_from_hf: Callable[[Any], dict[str, Any]]
+    # The [data] values an imported run's config needs beyond the defaults (a vlm: images).
+    import_data: dict[str, Any] = field(default_factory=dict)
 
 
 def _adapters() -> dict[str, HFAdapter]:
     from hyperloom.models.deepseek import hf as ds
     from hyperloom.models.llama import hf as ll
+    from hyperloom.models.vlm import hf as vl
 
     return {
         "llama": HFAdapter(
@@ -57,6 +60,14 @@ def _adapters() -> dict[str, HFAdapter]:
             ds.from_hf_state_dict,
             ds.hf_config,
             ds.config_from_hf,
+        ),
+        "vlm": HFAdapter(
+            ("llava",),  # LlavaForConditionalGeneration: CLIP or SigLIP tower, llama/deepseek
+            vl.to_hf_state_dict,
+            vl.from_hf_state_dict,
+            vl.hf_config,
+            vl.config_from_hf,
+            import_data={"source": "scenes"},  # a vlm's config needs an image source
         ),
     }
 
@@ -75,7 +86,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     raw.pop("parallel", None)  # the layout that trained it does not matter here
     cfg = config_from_dict(raw, world_size=1).model
     adapter = _adapters()[cfg.family]
-    hf_state = adapter.to_hf(ckpt.load_model_state(ckpt_dir), cfg)
+    try:  # a model Hugging Face's class cannot hold is refused before anything is written
+        hf_state = adapter.to_hf(ckpt.load_model_state(ckpt_dir), cfg)
+    except ValueError as exc:
+        raise ConvertError(f"{ckpt_dir}: {exc}") from None
     out = Path(out_dir)
     tensors = {k: v.contiguous() for k, v in hf_state.items()}
     try:  # a full or read-only volume is a one-line error, not a traceback
@@ -189,7 +203,8 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     try:
         # The data section's default sequence must fit the imported model's positions.
         seq = min(DataConfig().seq_len, int(values["max_seq_len"]))
-        job = config_from_dict({"model": values, "data": {"seq_len": seq}}, world_size=1)
+        data = {"seq_len": seq, **adapter.import_data}
+        job = config_from_dict({"model": values, "data": data}, world_size=1)
     except ConfigError as exc:
         raise ConvertError(f"{config_json} maps to an invalid hyperloom model: {exc}") from None
     weights = _read_hf_weights(src)
@@ -247,7 +262,11 @@ def add_convert_parser(sub: Any) -> None:
 def cmd_convert(args: Any) -> int:
     if args.direction == "export":
         out = export_hf(args.checkpoint, args.out)
-        print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+        config = json.loads((out / "config.json").read_text())
+        loader = "AutoModelForCausalLM"
+        if config.get("model_type") == "llava":  # no causal-LM mapping: an image-text model
+            loader = "LlavaForConditionalGeneration"
+        print(f"wrote {out} (load with transformers.{loader}.from_pretrained)")
     else:
         path = import_hf(args.hf_dir, args.run_dir)
         print(f"wrote {path} (try: hyperloom generate --checkpoint {args.run_dir})")

@@ -6,8 +6,9 @@ per-op costs are laid onto the same schedule IR the executor runs (`hyperloom.pi
 replayed, so warm-up, uneven stages, exposed p2p and peak in-flight micro-batches come out of
 the program itself. The planner reads the job config and never imports the trainer; the
 trainer hands it measurements (`selfcheck`, `calibrate`). Files: `hardware`, `collectives`,
-`model`, `strategy`, `costs`, `memory`, `simulate` (`predict` -> `Plan`), `search`, `report`,
-`cli`, `calibrate`, `host_memory`, `selfcheck`, `published`; docs/planner.md walks them.
+`model`, `strategy`, `costs`, `memory`, `vision` (a vlm's encoder), `simulate` (`predict` ->
+`Plan`), `search`, `report`, `cli`, `calibrate`, `host_memory`, `selfcheck`, `published`;
+docs/planner.md walks them.
 
     >>> from hyperloom.config import ModelConfig
     >>> from hyperloom.planner import Cluster, ModelSpec, Strategy, predict

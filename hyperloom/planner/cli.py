@@ -175,6 +175,23 @@ def _layout_args(p: argparse.ArgumentParser, mode: str = "") -> None:
     )
 
 
+def _vision_args(p: argparse.ArgumentParser) -> None:
+    """A vision-language model's (family vlm) images and frozen parts."""
+    p.add_argument(
+        "--images-per-sample",
+        type=number(least=0),
+        default=None,
+        help="vlm: images each sequence carries (default 1, as models.vlm.accounting assumes; "
+        "data.max_images is a cap, not a count)",
+    )
+    p.add_argument(
+        "--freeze",
+        default=None,
+        help="vlm: frozen parts, e.g. vision or vision,decoder (default: the job's "
+        "train.freeze, or none)",
+    )
+
+
 def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the plans as JSON")
     p.add_argument("--png-prefix", metavar="PREFIX", help="write memory/timeline/top-k PNGs")
@@ -219,6 +236,7 @@ def add_plan_parser(
     _runtime_args(p)
     _layout_args(p, "CONFIG mode: ")
     p.add_argument("--search", action="store_true", help="CONFIG mode: search instead")
+    _vision_args(p)
     _output_args(p)
     _calibrate_args(p, "calibrate: ")
     handler = functools.partial(cmd_plan, runtime_memory=runtime_memory)
@@ -240,6 +258,7 @@ def add_plan_parser(
     _layout_args(q)
     _cluster_args(q)
     _runtime_args(q)
+    _vision_args(q)
     _output_args(q)
 
     q = modes.add_parser(
@@ -259,6 +278,7 @@ def add_plan_parser(
     _search_args(q)
     _cluster_args(q)
     _runtime_args(q)
+    _vision_args(q)
     _output_args(q)
 
     q = modes.add_parser(
@@ -366,6 +386,18 @@ def _imbalanced(spec, args: argparse.Namespace):
     return dataclasses.replace(spec, moe_imbalance=args.moe_imbalance)
 
 
+def _with_vision(spec, args: argparse.Namespace):
+    """The model with --images-per-sample and --freeze, where given."""
+    changes: dict[str, Any] = {}
+    if getattr(args, "images_per_sample", None) is not None:
+        changes["images_per_sample"] = args.images_per_sample
+    if getattr(args, "freeze", None) is not None:
+        changes["freeze"] = tuple(p.strip() for p in args.freeze.split(",") if p.strip())
+    if changes and not spec.vision:
+        raise PlanError("--images-per-sample and --freeze apply to a vlm (model.family = 'vlm')")
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
 def _console() -> Console:
     probe = Console()
     return probe if probe.is_terminal else Console(width=170)
@@ -391,7 +423,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         job = load_job(args.target, list(getattr(args, "overrides", []) or []))
         if job.precision.dtype != "bf16":
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
-        spec = _imbalanced(ModelSpec.from_model_config(job.model), args)
+        spec = _with_vision(_imbalanced(ModelSpec.from_job(job), args), args)
         fp8 = True if args.fp8 else None
         recompute = args.recompute
         auto = recompute is None and is_auto(job.train.recompute)
@@ -418,6 +450,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
             spec = _imbalanced(
                 ModelSpec.from_model_config(preset_config(args.model), args.model), args
             )
+            spec = _with_vision(spec, args)
         except KeyError as exc:
             raise PlanError(str(exc.args[0])) from None
         if not args.gpus or not args.global_batch:
@@ -436,6 +469,9 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         "efficiency": rt.efficiency,
         "moe_imbalance": spec.moe_imbalance if spec.n_routed_experts else None,
     }
+    if spec.vision:
+        query["images_per_sample"] = spec.images_per_sample
+        query["freeze"] = list(spec.freeze)
     stats = None
     if mode == "predict":
         plans = [predict(spec, cluster, s, seq, rt, args.margin_gib)]

@@ -166,8 +166,12 @@ def layer_phase(
     acc: HardwareProfile,
     links: Links,
     rt: Runtime,
+    backward: bool = True,
+    wgrad: bool = True,
 ) -> Phase:
-    """F/B/W of one layer for one micro-batch (see module docstring)."""
+    """F/B/W of one layer for one micro-batch (see module docstring). `backward=False`: a
+    layer no gradient passes through (a frozen vision encoder), the forward only;
+    `wgrad=False`: frozen weights, B without W (and without W's gradient casts)."""
     fp8 = s.fp8 and acc.supports_fp8
     gemm = sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in layer.gemms)
     if fp8:  # quantising each GEMM input: read 2 bytes, write 1
@@ -245,6 +249,15 @@ def layer_phase(
     cast_f = acc.cast_time(6.0 * layer.cast_elements) + weight_cast
     cast_b = acc.cast_time(6.0 * layer.cast_elements + 12.0 * layer.cast_sum_elements)
     f = gemm + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3
+    if not backward:
+        return Phase(
+            f=f,
+            compute=gemm + attn_f + elem_f + cast_f + host / 3,
+            tp_comm=tp_f,
+            cp_comm=cp_f,
+            dp_comm=dp_f,
+            ep_comm=ep_f,
+        )
     full, mods = parse_recompute(s.recompute)
     if full:
         recompute = f
@@ -267,12 +280,17 @@ def layer_phase(
             ups = [g for g in layer.gemms if g.name in ("wq_b", "wq", "wkv_b")]
             recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in ups)
     b = gemm + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
-    w = gemm + tp_w + weight_cast
+    if wgrad:
+        w = gemm + tp_w + weight_cast
+        compute = 3 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + weight_cast + host
+    else:  # frozen weights: no W, nor its re-gathers and gradient casts
+        w = tp_w = 0.0
+        compute = 2 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + host
     return Phase(
         f=f,
         b=b,
         w=w,
-        compute=3 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + weight_cast + host,
+        compute=compute,
         recompute=recompute,
         tp_comm=tp_f + tp_b + tp_w,
         cp_comm=cp_f + cp_b,
@@ -355,21 +373,19 @@ def embedding_phase(
     acc: HardwareProfile,
     links: Links,
     rt: Runtime | None = None,
+    wgrad: bool = True,
 ):
     """First chunk: vocab-parallel lookup, then the all-reduce (or reduce-scatter) over tp.
-    The lookup returns the table's dtype: FP32 under autocast per op (no autocast for it)."""
+    The lookup returns the table's dtype: FP32 under autocast per op (no autocast for it).
+    `wgrad=False`: a frozen table, no gradient scatter."""
     tokens = s.mbs * seq / s.cp
     width = rt.param_bytes if rt is not None and rt.autocast_per_op else 2.0
     out = width * tokens * spec.dim
     kind = "reduce_scatter" if s.sp and s.tp > 1 else "all_reduce"
     comm = collective_time(kind, s.tp, out, links.tp)
     look = acc.elementwise_time(2 * out)
-    return Phase(
-        f=look + comm,
-        w=acc.elementwise_time(3 * out),
-        compute=look + acc.elementwise_time(3 * out),
-        tp_comm=comm,
-    )
+    w = acc.elementwise_time(3 * out) if wgrad else 0.0
+    return Phase(f=look + comm, w=w, compute=look + w, tp_comm=comm)
 
 
 def head_phase(
@@ -379,8 +395,10 @@ def head_phase(
     acc: HardwareProfile,
     links: Links,
     rt: Runtime | None = None,
+    wgrad: bool = True,
 ):
-    """Last chunk: final norm, vocab-parallel head GEMM and cross-entropy over V/tp logits.
+    """Last chunk: final norm, vocab-parallel head GEMM and cross-entropy over V/tp logits
+    (`wgrad=False`: a frozen head, no weight-gradient GEMM).
 
     Unfused (Megatron's and the reference path): the FP32 cross-entropy costs 34 B per logit
     forward (cast, max, subtract, exp, sum) and 22 backward (softmax, one-hot, scale, cast).
@@ -422,11 +440,14 @@ def head_phase(
         ce_f = acc.elementwise_time(8.0 * logits + 4.0 * x_sp) + acc.memory_time(
             10.0 * weights * chunks
         )
-        ce_b = acc.memory_time(8.0 * x_sp + 8.0 * weights)  # scale ∂h and ∂W
+        if not wgrad:  # the operator forms no ∂W (nor its cast-adds)
+            ce_f -= acc.memory_time(10.0 * weights * chunks)
+        ce_b = acc.memory_time(8.0 * x_sp + (8.0 * weights if wgrad else 0.0))  # ∂h and ∂W
+        gemms = (3 if wgrad else 2) * gemm
         return Phase(
-            f=3 * gemm + ce_f + comm_f,
+            f=gemms + ce_f + comm_f,
             b=ce_b + comm_b,
-            compute=3 * gemm + ce_f + ce_b,
+            compute=gemms + ce_f + ce_b,
             tp_comm=comm_f + comm_b,
         )
     ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
@@ -434,8 +455,8 @@ def head_phase(
     return Phase(
         f=gemm + ce_f + comm_f,
         b=gemm + ce_b + comm_b,
-        w=gemm,
-        compute=3 * gemm + ce_f + ce_b,
+        w=gemm if wgrad else 0.0,
+        compute=(3 if wgrad else 2) * gemm + ce_f + ce_b,
         tp_comm=comm_f + comm_b,
     )
 
@@ -493,7 +514,8 @@ def local_params(
 
 def chunk_params(spec: ModelSpec, tp: int, layers: list[int], etp: int = 0) -> list[float]:
     """Parameters per model chunk on one tp rank (embedding on the first, head on the last),
-    the routed experts split over `etp` ranks instead of tp when set (`Strategy.etp`)."""
+    the routed experts split over `etp` ranks instead of tp when set (`Strategy.etp`); a
+    vlm's encoder and projector on the first (`ModelSpec.vision_params`)."""
     if etp and etp != tp:
         dense = chunk_params(spec, tp, layers)
         tp_experts = chunk_expert_params(spec, tp, layers)
@@ -507,7 +529,21 @@ def chunk_params(spec: ModelSpec, tp: int, layers: list[int], etp: int = 0) -> l
         if i == len(layers) - 1:
             p += spec.dim + (spec.embedding_params() if not spec.tie_embeddings or i else 0)
             p += spec.mtp_params()
-        out.append(p / tp)
+        out.append(p / tp + (spec.vision_params(tp)[0] if i == 0 else 0.0))
+    return out
+
+
+def chunk_frozen_params(spec: ModelSpec, tp: int, params: list[float]) -> list[float]:
+    """Frozen parameters per model chunk on one tp rank (no gradient, no optimizer state),
+    given the chunk's parameters `params`: a vlm's frozen encoder and projector parts (the
+    unused encoder blocks always) on the first, every decoder parameter when the decoder is
+    frozen."""
+    if not spec.vision:
+        return [0.0] * len(params)
+    total, frozen = spec.vision_params(tp)
+    out = [p - (total if i == 0 else 0.0) if spec.frozen("decoder") else 0.0
+           for i, p in enumerate(params)]  # fmt: skip
+    out[0] += frozen
     return out
 
 

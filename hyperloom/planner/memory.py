@@ -16,6 +16,10 @@ units read from the schedule replay (`pipeline.validate`), plus Zero Bubble's W-
 units at their weight-gradient inputs -- so interleaving's (p - 1)/(pv) and the m < p case
 come out of the schedule, not a formula.
 
+A vlm's encoder and projector add their saved bytes, W-pending bytes and backward working
+set to the first chunk (`vision.tower_memory`); frozen parameters (`ModelSpec.frozen`) hold
+their weights only, whole under ZeRO.
+
 On top: one backward's transient working set, autocast and FP8 weight copies, DDP's bucket
 copy or ZeRO-1's gradient copy where the runtime makes one, FSDP's gathered layers, expert
 dispatch buffers, one layer's context-parallel attention buffers (`cp_buffer`). Reserved =
@@ -32,9 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
 from hyperloom.planner.strategy import Runtime, Strategy
+
+if TYPE_CHECKING:
+    from hyperloom.planner.vision import TowerMemory
 
 ALLOC_FACTOR = 0.94
 
@@ -245,7 +253,8 @@ def grads_at_peak(
     if not rt.grads_freed_each_step:
         return None
     head = 0.0
-    if last_chunk and rt.fused_cross_entropy:  # tied or not, the head's weight gradient
+    if last_chunk and rt.fused_cross_entropy and not spec.frozen("decoder"):
+        # tied or not, the head's weight gradient
         head = rt.grad_bytes * spec.embedding_params() / s.tp
     # pipelines: the warm-up reaches the peak before the rank's first backward
     held = (s.dcp > 1 and s.zero in (0, 1)) or (s.pp == 1 and s.microbatches > 1)
@@ -265,32 +274,44 @@ def rank_memory(
     w_pending: int,
     chunk_experts: list[float] | None = None,
     host: tuple[float, float, float] = (1.0, 0.0, 0.0),
+    chunk_frozen: list[float] | None = None,
+    tower: TowerMemory | None = None,
 ) -> Memory:
     """Peak memory of a rank that holds the model `chunks` (indices into `layers`), with the
     schedule's peak in-flight and W-pending (stage, micro-batch) counts for that rank;
     `chunk_params` are local (1/ep of the routed experts), `chunk_experts` the part of them
     that is local routed experts (ep > 1); `host` is the accelerator profile's
     `HardwareProfile.host_memory`: what a CPU process keeps resident beyond the live bytes
-    (nothing on devices)."""
+    (nothing on devices). `chunk_frozen`: the frozen part of `chunk_params` (parameter bytes
+    only, whole under ZeRO); `tower`: a vlm's encoder and projector on the first chunk
+    (`vision.tower_memory`)."""
     last = len(layers) - 1
     params = sum(chunk_params[c] for c in chunks)
+    frozen = sum(chunk_frozen[c] for c in chunks) if chunk_frozen else 0.0
     expert = sum(chunk_experts[c] for c in chunks) if chunk_experts and s.ep > 1 else 0.0
-    p, g, o = states(params, s, rt, expert)
+    p, g, o = states(params - frozen, s, rt, expert)
+    p += rt.param_bytes * frozen
+    first = tower if tower is not None and 0 in chunks else None
     unit = max(
         (layers[c] + (spec.mtp_depth * s.cp if c == last else 0)) * lm.saved
         + chunk_activation_extras(
             spec, s, seq, c == 0, c == last, rt.fused_cross_entropy, rt.act_width
         )
+        + (first.saved if first is not None and c == 0 else 0.0)
         for c in chunks
     )
     n_layers = sum(layers[c] for c in chunks)
     activations = in_flight * unit + w_pending * max(layers[c] for c in chunks) * lm.w_pending
+    if first is not None:
+        activations += w_pending * first.w_pending
 
     # One backward's working set: a recomputed layer plus gradient buffers and its
     # context-parallel attention buffers; on the last chunk the cross-entropy's BF16 logits
     # and FP32 temporaries (its saved FP32 exp is in the chunk extras), or the fused
-    # operator's chunk temporaries.
+    # operator's chunk temporaries. The encoder's backward runs apart from the decoder's.
     transient = lm.working + lm.cp
+    if first is not None:
+        transient = max(transient, first.working)
     if last in chunks:
         if rt.fused_cross_entropy:
             transient = max(transient, ce_working_bytes(spec, s, seq))
@@ -319,17 +340,20 @@ def rank_memory(
             if last in chunks and rt.fused_cross_entropy and not spec.tie_embeddings:
                 cast -= vocab
         buffers += 2.0 * max(cast, 0.0)
+    if first is not None:
+        fp8_weights += first.fp8_weights
     if s.fp8:
         buffers += 2.0 * fp8_weights
+    trainable = params - frozen
     if s.zero == 0 and s.dcp > 1 and rt.ddp_bucket_copy:
-        buffers += rt.grad_bytes * params
-    if s.zero == 3 and s.dcp > 1:
+        buffers += rt.grad_bytes * trainable
+    if s.zero == 3 and s.dcp > 1 and not spec.frozen("decoder"):
         buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
     step_peak = p + g + o
     if s.zero == 1 and s.dcp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
         # BF16 parameters' gradients flattened into an FP32 copy for the sharded step; not
         # where they accumulate in one FP32 buffer already (Megatron's main_grad)
-        step_peak += 0.0 if rt.fp32_main_grads else 4.0 * params
+        step_peak += 0.0 if rt.fp32_main_grads else 4.0 * trainable
     live = Memory(
         params=p,
         grads=g,

@@ -15,15 +15,47 @@ hyperloom's runtime saves SP's gathered linear inputs (`sharded_save=False`), 2s
 instead of Megatron's 2sbh/t. Recompute modules: ``core_attn``, ``mlp_act``, ``norm``;
 ``full`` keeps only the layer input. The DeepSeek family is one mean layer
 (`_build_deepseek_layer`) that also carries the bytes of one expert dispatch.
+
+The vision-language family ("vlm", LLaVA-style) is its decoder (llama or deepseek, costed
+as that family) plus a ViT encoder and a projector on the first pipeline stage: one encoder
+block for a micro-batch's images is a `Layer` too (`build_vision_block`: LayerNorms, biased
+q/k/v/out and fc1/fc2 split over tp, bidirectional attention within each image, whole image
+sequences under sp); `planner/vision.py` costs the tower.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import logging
 from dataclasses import dataclass
 
 from hyperloom.config import ModelConfig, recompute_policy
+from hyperloom.config.models.vlm import tokens_per_image, vision_feature_depth, vision_patches
 from hyperloom.planner.errors import PlanError
+
+log = logging.getLogger("hyperloom.planner")
+
+FAMILIES = ("llama", "deepseek", "vlm")
+# `train.freeze` parts of a vision-language model (`hyperloom.models.freeze.PARTS`), each
+# with parameter names standing for it: a glob freezes a part when it matches all of them.
+FREEZE_PARTS = {
+    "vision": (
+        "vision.patch_embedding.weight",
+        "vision.position_embedding.weight",
+        "vision.layers.0.self_attn.q_proj.weight",
+        "vision.layers.0.mlp.fc1.weight",
+        "vision.layers.0.layer_norm1.weight",
+    ),
+    "projector": ("projector.linear_1.weight", "projector.linear_2.weight"),
+    "decoder": (
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "layers.0.feed_forward.w1.weight",
+        "norm.weight",
+        "output.weight",
+    ),
+}
 
 
 def _read(field: str, doc: str) -> property:
@@ -58,6 +90,12 @@ class ModelSpec:
     # rank, since an all-to-all waits for its busiest member. 1.25: an assumption, not a
     # measurement (docs/planner.md shows the sensitivity).
     moe_imbalance: float = 1.25
+    # Vision-language models: images per sample (per sequence), and the job's
+    # `train.freeze` (parts, or globs that cover whole parts; `frozen`). One image per
+    # sample is `hyperloom.models.vlm.accounting`'s assumption (LLaVA's common case);
+    # `data.max_images` is the batch's image slots, a cap, not a count.
+    images_per_sample: float = 1.0
+    freeze: tuple[str, ...] = ()
 
     n_layers = _read("n_layers", "transformer blocks")
     dim = _read("dim", "hidden size")
@@ -67,7 +105,7 @@ class ModelSpec:
     vocab_size = _read("vocab_size", "vocabulary")
     tie_embeddings = _read("tie_embeddings", "output head shares the input embedding")
     qk_norm = _read("qk_norm", "RMSNorm over head_dim on each query and key head")
-    family = _read("family", "model family: llama or deepseek")
+    family = _read("family", "model family: llama, deepseek or vlm")
     n_routed_experts = _deepseek("n_routed_experts", "routed experts per MoE layer")
     n_shared_experts = _deepseek("n_shared_experts", "shared experts per MoE layer")
     moe_top_k = _deepseek("moe_top_k", "routed experts per token")
@@ -84,13 +122,17 @@ class ModelSpec:
     moe_topk_groups = _deepseek("moe_topk_groups", "groups a token may use", dense=1)
 
     def __post_init__(self) -> None:
-        if self.config.family not in ("llama", "deepseek"):
+        if self.config.family not in FAMILIES:
             raise PlanError(
-                f"the planner models the llama and deepseek families only, "
+                f"the planner models the {', '.join(FAMILIES)} families only, "
                 f"got {self.config.family!r}"
             )
         if not self.name:
             object.__setattr__(self, "name", self.config.preset)
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        object.__setattr__(self, "_frozen", self._frozen_parts())
+        if self.vision:
+            self._check_vision()
         if min(self.n_layers, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim) < 1:
             raise PlanError(f"model {self.name}: every size must be positive")
         if self.mla:
@@ -106,6 +148,167 @@ class ModelSpec:
         """The spec of a training job's model (`name` defaults to its preset)."""
         return cls(cfg, name or cfg.preset)
 
+    @classmethod
+    def from_job(cls, job, name: str | None = None) -> ModelSpec:
+        """The spec of a `JobConfig`'s model with its `train.freeze` (one image per sample:
+        see `images_per_sample`)."""
+        freeze = tuple(getattr(job.train, "freeze", ()) or ())
+        return cls(job.model, name or job.model.preset, freeze=freeze)
+
+    # ------------------------------------------------------------------ frozen parts
+    def _frozen_parts(self) -> frozenset[str]:
+        """The parts `freeze` names, or that a glob covers whole; a glob covering part of
+        one is costed as trainable (with a warning), as is any entry for another family."""
+        if not self.freeze:
+            return frozenset()
+        if not self.vision:
+            log.warning(
+                "train.freeze = %s: the planner costs frozen parts of a vlm only; %s is costed "
+                "as fully trainable",
+                list(self.freeze),
+                self.name,
+            )
+            return frozenset()
+        parts = set()
+        for entry in self.freeze:
+            if entry in FREEZE_PARTS:
+                parts.add(entry)
+                continue
+            whole = [
+                p for p, names in FREEZE_PARTS.items()
+                if all(fnmatch.fnmatchcase(n, entry) for n in names)
+            ]  # fmt: skip
+            if whole:
+                parts.update(whole)
+            else:
+                log.warning(
+                    "train.freeze pattern %r: the planner freezes whole parts (vision, "
+                    "projector, decoder) only; costed as trainable",
+                    entry,
+                )
+        if parts == set(FREEZE_PARTS):
+            raise PlanError(f"train.freeze = {list(self.freeze)} freezes every parameter")
+        return frozenset(parts)
+
+    def frozen(self, part: str) -> bool:
+        """Whether `part` (vision, projector, decoder) has no gradients or optimizer state."""
+        return part in self._frozen  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ vision (vlm)
+    @property
+    def vision(self) -> bool:
+        """A vision-language model: encoder and projector before the decoder."""
+        return self.family == "vlm"
+
+    def _check_vision(self) -> None:
+        c = self.config
+        if min(c.vision_dim, c.vision_heads, c.vision_ffn_dim, c.image_size, c.patch_size) < 1:
+            raise PlanError(f"model {self.name}: every vision size must be positive")
+        if c.vision_dim % c.vision_heads:
+            raise PlanError(
+                f"model {self.name}: vision_dim ({c.vision_dim}) must divide by vision_heads "
+                f"({c.vision_heads})"
+            )
+        if not 1 <= self.vision_depth <= c.vision_layers:
+            raise PlanError(
+                f"model {self.name}: vision_feature_layer {c.vision_feature_layer} picks none "
+                f"of the {c.vision_layers} encoder blocks"
+            )
+        if self.images_per_sample < 0:
+            raise PlanError(f"images_per_sample must be >= 0, got {self.images_per_sample}")
+
+    vision_dim = _read("vision_dim", "ViT width")
+    vision_heads = _read("vision_heads", "ViT attention heads")
+    vision_ffn_dim = _read("vision_ffn_dim", "ViT MLP width")
+    vision_layers = _read("vision_layers", "ViT blocks built (the unused ones frozen)")
+
+    @property
+    def vision_depth(self) -> int:
+        """Encoder blocks that run (up to the feature layer)."""
+        return vision_feature_depth(self.config)
+
+    @property
+    def vision_patches(self) -> int:
+        """Patches per image (side squared)."""
+        return vision_patches(self.config) ** 2
+
+    @property
+    def vision_positions(self) -> int:
+        """Positions the encoder runs on per image: patches and the class token."""
+        return self.vision_patches + (1 if self.config.vision_class_token else 0)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Decoder positions (and projector rows) one image takes."""
+        return tokens_per_image(self.config)
+
+    @property
+    def projector_in(self) -> int:
+        """The projector's input width (vision_dim x pixel_shuffle squared)."""
+        return self.vision_dim * self.config.pixel_shuffle**2
+
+    @property
+    def projector_mlp(self) -> bool:
+        return self.config.projector == "mlp"
+
+    def vision_block_params(self, tp: int = 1) -> float:
+        """One encoder block on one of `tp` ranks: q, k, v, fc1 (with biases) and out, fc2
+        split; the row-parallel biases and the LayerNorms whole on every rank."""
+        d, f, t = self.vision_dim, self.vision_ffn_dim, tp
+        split = 4 * d * d + 3 * d + 2 * d * f + f
+        return split / t + 2 * d + 4 * d
+
+    def vision_block_matmul(self) -> int:
+        """Matrices of one encoder block."""
+        d = self.vision_dim
+        return 4 * d * d + 2 * d * self.vision_ffn_dim
+
+    def vision_embed_params(self) -> int:
+        """Patch and position embeddings, class token, pre- and post-norm (replicated)."""
+        c, d = self.config, self.vision_dim
+        n = 3 * c.patch_size**2 * d + (d if c.vision_patch_bias else 0)
+        n += (d if c.vision_class_token else 0) + self.vision_positions * d
+        return n + (2 * d if c.vision_pre_norm else 0) + 2 * d
+
+    def projector_params(self, tp: int = 1) -> float:
+        """The projector on one of `tp` ranks: an MLP's linear_1 by columns (with its bias),
+        linear_2 by rows (its bias whole); one linear runs replicated."""
+        bias = 1 if self.config.projector_bias else 0
+        h = self.dim
+        if not self.projector_mlp:
+            return self.projector_in * h + bias * h
+        return (self.projector_in * h + bias * h + h * h) / tp + bias * h
+
+    def vision_params(self, tp: int = 1) -> tuple[float, float]:
+        """(encoder + projector, of which frozen) parameters on one of `tp` ranks: the
+        blocks above the feature layer and the final LayerNorm are always frozen."""
+        if not self.vision:
+            return 0.0, 0.0
+        d = self.vision_dim
+        block = self.vision_block_params(tp)
+        encoder = self.vision_embed_params() + self.vision_layers * block
+        projector = self.projector_params(tp)
+        if self.frozen("vision"):
+            frozen = encoder
+        else:
+            frozen = (self.vision_layers - self.vision_depth) * block + 2 * d
+        return encoder + projector, frozen + (projector if self.frozen("projector") else 0.0)
+
+    def vision_forward_flops_per_image(self) -> float:
+        """Forward FLOPs of the encoder's running blocks (bidirectional attention over the
+        positions), the patch embedding and the projector, for one image."""
+        n, d = self.vision_positions, self.vision_dim
+        blocks = self.vision_depth * (2 * self.vision_block_matmul() * n + 4 * n * n * d)
+        patch = 2 * 3 * self.config.patch_size**2 * d * self.vision_patches
+        proj = self.projector_in * self.dim + (self.dim * self.dim if self.projector_mlp else 0)
+        return blocks + patch + 2 * proj * self.tokens_per_image
+
+    def vision_flops_per_image(self) -> float:
+        """Training FLOPs of one image, three times the forward whatever is frozen (the
+        model-FLOPs convention: `hyperloom.models.vlm.accounting.
+        vision_training_flops_per_image`)."""
+        return 3 * self.vision_forward_flops_per_image()
+
     def with_config(self, **changes) -> ModelSpec:
         """This spec with `changes` to its model config (shapes change only there)."""
         return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))
@@ -118,8 +321,13 @@ class ModelSpec:
         return self.config.n_dense_layers if self.config.n_routed_experts else self.n_layers
 
     @property
+    def decoder_family(self) -> str:
+        """The language model's family: the family, or a vlm's decoder (llama, deepseek)."""
+        return self.config.vlm_decoder if self.vision else self.family
+
+    @property
     def mla(self) -> bool:
-        return self.family == "deepseek"
+        return self.decoder_family == "deepseek"
 
     @property
     def n_moe_layers(self) -> int:
@@ -224,9 +432,10 @@ class ModelSpec:
         return self.vocab_size * self.dim
 
     def params(self) -> int:
+        """Every parameter: the decoder's, and a vlm's encoder and projector."""
         head = 0 if self.tie_embeddings else self.embedding_params()
         layers = self._layers_params() + self.mtp_params()
-        return layers + self.embedding_params() + head + self.dim
+        return layers + self.embedding_params() + head + self.dim + self.vision_params()[0]
 
     def matmul_params(self) -> int:
         """Weights in a matmul per token: every layer's linears plus the output head; for
@@ -243,9 +452,14 @@ class ModelSpec:
     def model_flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token, Megatron/PaLM convention (full attention matrix): the
         same number as `hyperloom.models.llama.accounting.training_flops_per_token` (and
-        the deepseek accounting's: activated parameters, MTP included)."""
+        the deepseek accounting's: activated parameters, MTP included; and for a vlm
+        `hyperloom.models.vlm.accounting`'s: the encoder's FLOPs of `images_per_sample`
+        images spread over the sequence, frozen parts counted like the rest)."""
         attn = 6.0 * seq * (self.q_dim + self.v_dim)
-        return 6.0 * self.matmul_params() + (self.n_layers + self.mtp_depth) * attn
+        dec = 6.0 * self.matmul_params() + (self.n_layers + self.mtp_depth) * attn
+        if self.vision:
+            dec += self.images_per_sample * self.vision_flops_per_image() / seq
+        return dec
 
 
 @dataclass(frozen=True)
@@ -438,6 +652,78 @@ def build_layer(
         seq=seq,
         cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,
         cast_sum_elements=(qkv_copies + fc1_copies - 2) * x_full if per_op_casts else 0.0,
+    )
+
+
+def build_vision_block(
+    spec: ModelSpec,
+    images: float,
+    tp: int,
+    per_op_casts: bool = False,
+    act_width: float = 2.0,
+) -> Layer:
+    """One encoder block of a vlm for `images` images on one of `tp` ranks
+    (`hyperloom.models.vlm.vision.VisionBlock`, `models/vlm/plan.py`): pre-norm LayerNorms,
+    q, k, v (three GEMMs, biased) and fc1 column-parallel, out_proj and fc2 row-parallel, a
+    two-matrix MLP (quick-GELU / GELU), flash attention without a causal mask within each
+    image. The encoder runs on whole image sequences under sp (a `whole_sequence_module`):
+    two all-reduces forward, two of the input gradients backward, nothing sequence-split.
+    The saved tensors and recompute modules follow `build_layer`'s for a non-gated MLP.
+    """
+    if per_op_casts and act_width != 2:
+        raise PlanError("autocast casts per op are BF16 activations (act_width 2)")
+    A = act_width  # noqa: N806 - bytes per activation element
+    d, f, t = spec.vision_dim, spec.vision_ffn_dim, tp
+    n = spec.vision_positions
+    rows = images * n  # positions of this micro-batch's images
+    x = rows * d  # elements of the residual stream (whole on every tp rank)
+    heads = spec.vision_heads / t
+    gemms = (
+        Gemm("v_qkv", rows, d / t, d, 3),  # q_proj, k_proj, v_proj: three linears
+        Gemm("v_out", rows, d, d / t),
+        Gemm("v_fc1", rows, f / t, d),
+        Gemm("v_fc2", rows, d, f / t),
+    )
+    norm_in = 4 * x if per_op_casts else A * x
+    qkv_copies = 3 if per_op_casts else 1
+    norm_out = "layer" if per_op_casts else "norm"
+    saved = (
+        Saved("v_norm1_in", norm_in, "input"),
+        Saved("v_qkv_in", A * x * qkv_copies, norm_out, gemm_input=True),
+        Saved("v_q", A * rows * d / t, "layer"),
+        Saved("v_k", A * rows * d / t, "layer"),
+        Saved("v_v", A * rows * d / t, "layer"),
+        Saved("v_lse", 4 * rows * heads, "core_attn"),
+        Saved("v_out_in", A * rows * d / t, "layer", gemm_input=True),
+        Saved("v_norm2_in", norm_in, "layer"),
+        Saved("v_fc1_in", A * x, norm_out, gemm_input=True),
+        Saved("v_fc1_out", A * rows * f / t, "layer"),
+        Saved("v_fc2_in", A * rows * f / t, "mlp_act", gemm_input=True),
+    )
+    act = 4.0 * rows * f / t  # the activation function: read + write
+    elementwise = (
+        2 * 4.0 * x  # two LayerNorms
+        + 2 * 6.0 * x  # two residual adds
+        + act
+        + (2 * 4.0 * x if t > 1 else 0.0)  # the row-parallel biases, added after the sum
+    )
+    return Layer(
+        gemms=gemms,
+        attn_flops=4.0 * rows * n * d / t,  # q kᵀ and p v over each image's n positions
+        attn_gemms=(),
+        elementwise_bytes=elementwise,
+        norm_bytes=2 * 4.0 * x,
+        act_bytes=act,
+        core_bytes=0.0,
+        saved=saved,
+        tp_buffer=A * x,
+        cp_kv=0.0,
+        cp_acc=0.0,
+        cp_a2a=(0.0, 0.0, 0.0, 0.0),
+        grad_out_bytes=A * rows * (3 * d / t + 2 * d + f / t),
+        seq=n,
+        cast_elements=(qkv_copies + 1) * x if per_op_casts else 0.0,
+        cast_sum_elements=(qkv_copies - 1) * x if per_op_casts else 0.0,
     )
 
 

@@ -146,7 +146,7 @@ def job_plan(
             bf16_tflops=profile.bf16_tflops * compute_share,
             hbm_gbs=profile.hbm_gbs * compute_share,
         )
-    spec = ModelSpec.from_model_config(job.model, job.model.preset)
+    spec = ModelSpec.from_job(job)
     strategy = Strategy.from_job(job, recompute=recompute)
     cluster = Cluster(profile, world, gpus_per_node=world)
     rt = Runtime.from_job(job)

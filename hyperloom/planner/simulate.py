@@ -40,6 +40,7 @@ from hyperloom.planner.costs import (
     Phase,
     assign_layers,
     chunk_expert_params,
+    chunk_frozen_params,
     dp_sync,
     embedding_phase,
     head_phase,
@@ -54,6 +55,7 @@ from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile
 from hyperloom.planner.memory import LayerMemory, Memory, cp_buffer, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
+from hyperloom.planner.vision import TowerMemory, tower_memory, tower_phase
 
 DEFAULT_MARGIN_GIB = 6.0
 _SATURATION = {"interleaved": 2, "zb-v": 3, "dualpipev": 3, "dualpipe": 3, "1f1b": 2, "zb-h1": 2}
@@ -178,7 +180,9 @@ def effective_profile(cluster: Cluster, rt: Runtime) -> HardwareProfile:
 def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strategy):
     """Layer costs and memory figures, embedding and head Phases and links; `key` is the
     strategy with the fields that do not change a layer (schedule, vpp, micro-batch count)
-    reset, so one entry serves every schedule of a layout."""
+    reset, so one entry serves every schedule of a layout. A vlm's encoder and projector
+    (`vision.tower_phase`) join the embedding on the first chunk; a frozen decoder has no
+    weight-gradient pass (and no ZeRO-3 gathers: frozen parameters stay whole)."""
     links = links_for(cluster, key, spec, rt.a2a_node_dedup)
     acc = effective_profile(cluster, rt)
     # MLA's ring passes the compressed latent unless wkv_b runs in FP8 (models.deepseek.mla)
@@ -187,9 +191,13 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
         spec, key.mbs, seq, key.tp, key.cp, key.sp, rt.sharded_save, key.ep, rt.autocast_per_op,
         rt.act_width, latent_ring, key.etp,
     )  # fmt: skip
-    one = layer_phase(layer, spec, key, acc, links, rt)
-    emb = embedding_phase(spec, key, seq, acc, links, rt)
-    head = head_phase(spec, key, seq, acc, links, rt)
+    wgrad = not spec.frozen("decoder")
+    dec = key if wgrad else dataclasses.replace(key, zero=0)
+    one = layer_phase(layer, spec, dec, acc, links, rt, wgrad=wgrad)
+    emb = embedding_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
+    head = head_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
+    if spec.vision:
+        emb = emb + tower_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
         mtp_one, mtp_head = one, head
         if key.cp > 1:  # every cp rank runs them on whole sequences (models.deepseek)
@@ -209,15 +217,19 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
         dispatch_buffer(layer, spec, key),
         cp_buffer(layer, key, rt.act_width),
     )
-    return lm, one, emb, head, links
+    tower = tower_memory(spec, key, rt, fp8_saved) if spec.vision else None
+    return lm, one, emb, head, links, tower
 
 
 @functools.lru_cache(maxsize=4096)
 def _chunks(spec: ModelSpec, tp: int, ep: int, rank_chunks, etp: int = 0):
-    """(layers, local params, local routed-expert params) per model chunk."""
+    """(layers, local params, local routed-expert params, frozen params) per model chunk."""
     layers = tuple(assign_layers(spec.n_layers, rank_chunks))
     params, experts = local_params(spec, tp, ep, list(layers), etp)
-    return layers, tuple(params), tuple(experts)
+    frozen = chunk_frozen_params(spec, tp, params)
+    if spec.frozen("decoder"):  # the routed experts are frozen with it: no expert states
+        experts = [0.0] * len(experts)
+    return layers, tuple(params), tuple(experts), tuple(frozen)
 
 
 def _paired_share(res: SimResult, fb: float) -> list[float]:
@@ -267,6 +279,15 @@ class Prepared:
     rank_chunks: tuple[tuple[int, ...], ...]
     p2p: float  # seconds of one activation transfer between pipeline ranks
     fb_overlap: float = 1.0  # DualPipe's F&B pairs (`fb_overlap`)
+    frozen: tuple[float, ...] = ()  # per model chunk, the frozen part of `params` (vlm)
+    tower: TowerMemory | None = None  # a vlm's encoder and projector, first chunk
+
+    @functools.cached_property
+    def trainable(self) -> tuple[float, ...]:
+        """Parameters per model chunk on one rank that have gradients and optimizer state."""
+        if not self.frozen:
+            return self.params
+        return tuple(p - f for p, f in zip(self.params, self.frozen, strict=True))
 
     @functools.cached_property
     def phases(self) -> list[Phase]:
@@ -309,9 +330,9 @@ def _placement(kind: str, pp: int, vpp: int) -> np.ndarray:
 def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtime) -> Prepared:
     """Costs per chunk and chunk placement (no schedule replay)."""
     key = dataclasses.replace(s, schedule="1f1b", vpp=1, microbatches=1)
-    lm, one, emb, head, links = _layer(spec, cluster, rt, seq, key)
+    lm, one, emb, head, links, tower = _layer(spec, cluster, rt, seq, key)
     rank_chunks = _rank_chunks(s.schedule, s.pp, s.vpp)
-    layers, params, experts = _chunks(spec, s.tp, s.ep, rank_chunks, s.etp)
+    layers, params, experts, frozen = _chunks(spec, s.tp, s.ep, rank_chunks, s.etp)
     n = np.asarray(layers, dtype=float)
     f, b, w = one.f * n, one.b * n, one.w * n
     for i, ph in ((0, emb), (-1, head)):
@@ -333,6 +354,8 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         links=links,
         rank_chunks=rank_chunks,
         p2p=collective_time("p2p", 2, act, links.pp),
+        frozen=frozen if any(frozen) else (),
+        tower=tower,
     )
     if s.ep_overlap and rt.ep_pair_hidden and one.ep_comm:
         # One factor serves every pair (`Costs` has one): the busiest rank's, so the rank
@@ -368,6 +391,8 @@ def memory_per_rank(
             w_pending[r],
             list(prep.experts),
             host,
+            list(prep.frozen) or None,
+            prep.tower,
         )
         for r in (range(s.pp) if ranks is None else ranks)
     ]
@@ -406,7 +431,7 @@ def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> f
         bound = pre + np.maximum(busy, own + post)
     acc = effective_profile(cluster, rt)
     per_param = optimizer_time(1.0, s, acc, rt)
-    opt = per_param * prep.rank_sum(np.asarray(prep.params))
+    opt = per_param * prep.rank_sum(np.asarray(prep.trainable))
     if s.ep > 1:  # the local experts' optimizer shard is over the expert-data-parallel group
         per_expert = optimizer_time(1.0, s, acc, rt, expert=1.0) - per_param
         opt = opt + per_expert * prep.rank_sum(np.asarray(prep.experts))
@@ -463,7 +488,7 @@ def predict(
 
     # the all-reduces of shared gradients over pipeline subgroups wait for every member
     shared_end, shared = list(ends), [0.0] * s.pp
-    for ranks, p in shared_grad_groups(spec, s.tp, prep.rank_chunks, prep.params):
+    for ranks, p in shared_grad_groups(spec, s.tp, prep.rank_chunks, prep.trainable):
         t = collective_time("all_reduce", len(ranks), p * rt.grad_bytes, prep.links.pp)
         start = max(shared_end[r] for r in ranks)
         for r in ranks:
@@ -479,7 +504,7 @@ def predict(
     if s.sp and s.etp_size < s.tp and spec.n_routed_experts:
         routed = [p / s.ep for p in chunk_expert_params(spec, s.etp_size, list(prep.layers))]
     for rank in range(s.pp):
-        p_rank = sum(prep.params[c] for c in prep.rank_chunks[rank])
+        p_rank = sum(prep.trainable[c] for c in prep.rank_chunks[rank])
         e_rank = sum(prep.experts[c] for c in prep.rank_chunks[rank])
         r_rank = sum(routed[c] for c in prep.rank_chunks[rank])
         per_mb = prep.rank_phase(rank)

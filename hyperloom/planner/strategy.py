@@ -316,7 +316,8 @@ class Strategy:
 
 def _routed_experts(job: JobConfig) -> bool:
     """Whether the job's model has routed experts (`ModelSpec.n_routed_experts`)."""
-    return job.model.family == "deepseek" and job.model.n_routed_experts > 0
+    family = getattr(job.model, "decoder_family", job.model.family)  # a vlm's decoder
+    return family == "deepseek" and job.model.n_routed_experts > 0
 
 
 def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> str | None:
@@ -344,6 +345,10 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
     shared = spec.n_shared_experts * spec.moe_ffn_dim  # the shared experts split over tp
     if shared % s.tp:
         return f"n_shared_experts * moe_ffn_dim ({shared}) must divide by tp ({s.tp})"
+    if spec.vision:
+        why = _vision_problem(s, spec, seq)
+        if why:
+            return why
     split = s.cp * 2 if s.cp > 1 else 1  # load-balanced CP cuts 2*cp chunks
     if seq % (split * (s.tp if s.sp and s.tp > 1 else 1)):
         return f"seq ({seq}) must divide by {'2*cp*' if s.cp > 1 else ''}tp = {split * s.tp}"
@@ -395,4 +400,23 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
         parse_recompute(s.recompute)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _vision_problem(s: Strategy, spec: ModelSpec, seq: int) -> str | None:
+    """What a vlm's encoder and projector cannot run (`config.models.vlm.vlm_problems`)."""
+    if s.cp > 1:
+        return f"cp = {s.cp}: a vlm runs without context parallelism (images straddle chunks)"
+    for name, width in (
+        ("vision_heads", spec.vision_heads),
+        ("vision_ffn_dim", spec.vision_ffn_dim),
+    ):
+        if width % s.tp:
+            return f"{name} ({width}) is not divisible by tp ({s.tp})"
+    images = spec.images_per_sample * spec.tokens_per_image
+    if images > seq:
+        return (
+            f"{spec.images_per_sample:g} image(s) x {spec.tokens_per_image} tokens = "
+            f"{images:g} > seq ({seq})"
+        )
     return None

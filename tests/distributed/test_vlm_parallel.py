@@ -2,8 +2,8 @@
 
 A small `vlm-tiny` trains 5 steps on the built-in scenes set with the same global batch of 8
 samples -- rows holding one image, two or none, answers of different lengths -- as one
-process, under tp 2 with sequence parallelism, pp 2 (1F1B, two micro-batches) and dp 2 with
-ZeRO-1; losses and gradient norms agree to a relative 1e-5 (fp32). The sample-mean loss is
+process, under tp 2 (with and without sequence parallelism), pp 2 (1F1B, two micro-batches)
+and dp 2 with ZeRO-1 and with FSDP2; losses and gradient norms agree to a relative 1e-5 (fp32). The sample-mean loss is
 what makes the split layouts equal: a token mean per micro-batch would weigh samples by
 their micro-batch's answer lengths. The encoder's last block (above the feature layer) and
 its final LayerNorm take no part and are frozen, which DDP and ZeRO-1 must tolerate.
@@ -46,9 +46,11 @@ JOB = {
     "logging__eval_answers": 0,
 }
 LAYOUTS = {
+    "tp2": dict(parallel__tp=2, train__micro_batch_size=8),
     "tp2-sp": dict(parallel__tp=2, parallel__sp=True, train__micro_batch_size=8),
     "pp2": dict(parallel__pp=2, parallel__microbatches=2, train__micro_batch_size=4),
     "dp2-zero1": dict(parallel__dp=2, parallel__zero=1, train__micro_batch_size=4),
+    "dp2-fsdp2": dict(parallel__dp=2, parallel__zero=3, train__micro_batch_size=4),
 }
 
 

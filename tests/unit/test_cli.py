@@ -36,8 +36,11 @@ def test_model_info_table_lists_every_preset(cli):
         "deepseek-v3",
         "deepseek-v2-lite",
         "moe-tiny",
+        "llava-1.5-7b",
+        "vlm-tiny",
     }
     assert "8,030,261,248" in rows["llama3-8b"]
+    assert "7,063,427,072" in rows["llava-1.5-7b"]
     assert "70,553,706,496" in rows["llama3-70b"]
     assert "405,853,388,800" in rows["llama3-405b"]
     # DeepSeek-V3 as published: 671B total, 37B activated per token (MTP counted apart)

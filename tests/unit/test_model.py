@@ -54,6 +54,8 @@ def test_preset_names():
         "llama3-8b",
         "llama3-70b",
         "llama3-405b",
+        "llava-1.5-7b",
+        "vlm-tiny",
     ]
 
 

@@ -218,3 +218,36 @@ def test_bad_inputs_get_clear_errors():
     small = torch.randn(2, 1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"\(3, 32, 32\)"):
         m(ImageTokens(x.tokens, small))
+
+
+def test_fp8_reaches_the_encoder_and_projector_linears():
+    """precision.fp8 converts every linear of the encoder and projector as the decoder's
+    (the patch convolution stays in high precision); the loss stays within FP8's rounding of
+    the high-precision one and every converted weight gets a finite gradient."""
+    from hyperloom.config import load_config
+    from hyperloom.engine.fp8 import fp8_autocast
+    from hyperloom.engine.fp8.modules import Fp8Linear
+    from hyperloom.parallel.fp8 import apply_fp8
+
+    args = ["--model.preset", "vlm-tiny", "--data.source", "scenes", "--data.seq_len", "48"]
+    job = load_config(None, [*args, "--precision.fp8", "current", "--precision.dtype", "fp32"])
+    m = build_model(job.model)
+    apply_fp8(m, job)
+    m.materialize(torch.device("cpu"), 0)
+    use_ops(m, OpImpls.choose(fused=False))
+    fp8 = {n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear)}
+    for name in ("vision.layers.0.self_attn.q_proj", "vision.layers.1.mlp.fc2", "projector.linear_1",
+                 "projector.linear_2", "layers.0.attention.wq"):  # fmt: skip
+        assert name in fp8, name
+    x = batch(job.model, (1, 2))
+    labels = torch.randint(0, job.model.vocab_size, x.tokens.shape)
+    loss = m(x, labels=labels)
+    loss.backward()
+    with fp8_autocast(enabled=False):
+        high = m(x, labels=labels)
+    assert abs(loss.item() - high.item()) < 0.02 * high.item()
+    unused = set(m.unused_parameters())  # the block above the feature layer: no gradient
+    for name in fp8:
+        w = m.get_submodule(name).weight
+        if f"{name}.weight" not in unused:
+            assert w.grad is not None and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0

@@ -86,15 +86,20 @@ def runs(tiny_job_args, jobs_train, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_one_process(runs, layout):
-    ref = {r["step"]: r for r in read_metrics(runs / "w1" / "ref")}
-    got = {r["step"]: r for r in read_metrics(runs / "w2" / layout)}
+def assert_same_training(reference: Path, other: Path) -> None:
+    """Losses and gradient norms of every step within a relative 1e-5."""
+    ref = {r["step"]: r for r in read_metrics(reference)}
+    got = {r["step"]: r for r in read_metrics(other)}
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         for key in ("loss", "grad_norm"):
             a, b = ref[step][key], got[step][key]
-            assert abs(a - b) <= 1e-5 * abs(a), f"{layout} step {step} {key}: {a} vs {b}"
+            assert abs(a - b) <= 1e-5 * abs(a), f"{other.name} step {step} {key}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_one_process(runs, layout):
+    assert_same_training(runs / "w1" / "ref", runs / "w2" / layout)
 
 
 def test_resume_is_bitwise(runs):
@@ -136,3 +141,34 @@ def test_second_stage_starts_from_the_first_stages_weights(runs):
     assert tune["initialised_from"]["loaded"] > 0
     assert tune["initial_val_loss"] == align["final_val_loss"]
     assert tune["steps_this_run"] == STEPS
+
+
+# Four ranks: tensor x pipeline parallelism, and the schedules whose first stage is not where
+# the plain one is (ZB-V's V shape; DualPipe holds the first stage on both ends of the pipe,
+# each copy fed images). Four blocks, so that every one of the four chunks holds one.
+WORLD4 = {
+    "tp2-pp2-sp": dict(parallel__tp=2, parallel__sp=True, parallel__pp=2,
+                       parallel__microbatches=2, train__micro_batch_size=4),
+    "pp2-dp2-zbv": dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="zb-v",
+                        parallel__microbatches=4, train__micro_batch_size=1),
+    "pp2-dp2-dualpipe": dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="dualpipe",
+                             parallel__microbatches=4, train__micro_batch_size=1),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs4(tiny_job_args, jobs_train, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm4")
+    job = tiny_job_args(out / "unused", **{**JOB, "model__n_layers": 4})
+    ref = [("ref", override_args(train__micro_batch_size=GLOBAL_BATCH))]
+    single = jobs_train(out / "w1", 1, job, ref)
+    assert single.returncode == 0, single.stderr[-4000:]
+    four = jobs_train(out / "w4", 4, job, [(n, override_args(**kw)) for n, kw in WORLD4.items()])
+    assert four.returncode == 0, four.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(WORLD4))
+def test_four_rank_layout_equals_one_process(runs4, layout):
+    assert_same_training(runs4 / "w1" / "ref", runs4 / "w4" / layout)

@@ -29,6 +29,23 @@ TINY_MODEL = {
 }
 
 
+# A vision-language job small enough for the same: vlm-tiny shrunk, on the built-in scenes
+# (`tiny_job` keyword names; the encoder keeps vlm-tiny's 3 blocks, one of them unused).
+TINY_VLM = {
+    "model__preset": "vlm-tiny",
+    "model__dim": 64,
+    "model__n_layers": 2,
+    "model__n_heads": 4,
+    "model__n_kv_heads": 2,
+    "model__ffn_dim": 128,
+    "model__vision_dim": 32,
+    "model__vision_heads": 2,
+    "model__vision_ffn_dim": 64,
+    "data__source": "scenes",
+    "data__seq_len": 48,
+}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hyperloom_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Point HYPERLOOM_CACHE at a session temp dir: the tokenizer is trained once per session.

@@ -126,18 +126,17 @@ def load_initial_weights(pm: ParallelModel, path: str | os.PathLike) -> dict[str
     verify_checkpoint(ckpt)
     saved = load_model_state(ckpt)
     mine = {n for n, _ in pm.local_params()}
-    shared = mine & set(saved)
     try:
-        loaded = load_full_model_state(pm, saved, partial=True)
+        loaded = load_full_model_state(pm, saved, partial=True)  # the names both hold
     except ValueError as exc:
         raise CheckpointError(f"checkpoint.init_from = {str(path)!r}: {exc}") from None
-    if not pm.pipelined and not shared:
+    if not pm.pipelined and not loaded:
         raise CheckpointError(
             f"checkpoint.init_from = {str(path)!r} shares no parameter name with this model "
             f"(it holds e.g. {', '.join(sorted(saved)[:3])}; this model "
             f"{', '.join(sorted(mine)[:3])})"
         )
-    fresh = sorted(mine - shared)
+    fresh = sorted(mine - set(loaded))
     return {
         "checkpoint": str(ckpt),
         "loaded": len(loaded),

@@ -86,11 +86,16 @@ def resolve_files(cfg: Any) -> list[SourceFile]:
             raise DataError(f"no *.py files found in the standard library at {root}")
         return files
 
-    suffix = ".txt" if source == "text" else ".jsonl"
-    if not cfg.paths:
+    return files_under(cfg.paths, ".txt" if source == "text" else ".jsonl", source)
+
+
+def files_under(paths: Sequence[str], suffix: str, source: str) -> list[SourceFile]:
+    """The files `data.paths` names: files as given, directories searched recursively for
+    *`suffix` files, in order; DataError for an empty list, a missing path or an empty dir."""
+    if not paths:
         raise DataError(f"data.source is {source!r} but data.paths is empty; list files or dirs")
     files: list[SourceFile] = []
-    for raw in cfg.paths:
+    for raw in paths:
         path = Path(raw).expanduser()
         if not path.exists():
             raise DataError(f"data path {str(raw)!r} does not exist")

@@ -11,7 +11,6 @@ prompt template (LLaVA-1.5's "USER: <image>\\n... ASSISTANT:").
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,18 +26,18 @@ from hyperloom.data.multimodal.dataset import (
     CLIP_STD,
     IMAGE_MARKER,
     EvalItem,
+    encode_prompt,
+    eval_item,
     eval_prompts,
     score_answers,
-    user_text,
 )
 from hyperloom.inference.generate import LoadedModel, generate
 
-log = logging.getLogger("hyperloom.generate")
-
 
 def image_prompt(loaded: LoadedModel, question: str, n_images: int) -> list[int]:
-    """Token ids of one user turn asking `question` about `n_images` images: the markers
-    (prepended where the question has none) expanded to each image's placeholders."""
+    """Token ids of one user turn asking `question` about `n_images` images, as training
+    tokenizes it: the markers (prepended where the question has none) expanded to each
+    image's placeholders."""
     cfg = loaded.cfg.model
     if IMAGE_MARKER not in question and n_images:
         question = IMAGE_MARKER * n_images + "\n" + question
@@ -48,14 +47,7 @@ def image_prompt(loaded: LoadedModel, question: str, n_images: int) -> list[int]
             f"the prompt has {markers} {IMAGE_MARKER} marker(s) but {n_images} image(s) were "
             f"given; give one --image per marker"
         )
-    ids: list[int] = []
-    parts = user_text(question).split(IMAGE_MARKER)
-    for i, part in enumerate(parts):
-        if part:
-            ids += loaded.tokenizer.encode(part)
-        if i < len(parts) - 1:
-            ids += [cfg.image_token_id] * tokens_per_image(cfg)
-    return ids
+    return encode_prompt(loaded.tokenizer, question, cfg.image_token_id, tokens_per_image(cfg))
 
 
 def answer(
@@ -115,11 +107,11 @@ def evaluate_answers(
     return report
 
 
-def caption_item(dataset, limit: int = 2000) -> EvalItem | None:
-    """The first held-out captioning question, if the set has one among its first `limit`."""
-    for item in eval_prompts(dataset, limit):
-        if item.task == "caption":
-            return item
+def caption_item(dataset) -> EvalItem | None:
+    """The first held-out captioning question, if the set has one (its image drawn alone)."""
+    for i, conv in enumerate(dataset.conversations):
+        if conv.task == "caption":
+            return eval_item(dataset, i)
     return None
 
 

@@ -90,9 +90,6 @@ def _vlm() -> ModelFamily:
     def build(cfg: ModelConfig) -> nn.Module:
         return vlm.build_vlm(cfg)
 
-    def mtp_param_count(cfg: ModelConfig) -> int:
-        return 0  # refused for a vlm (config.models.vlm)
-
     return ModelFamily(
         "vlm",
         build,
@@ -102,7 +99,6 @@ def _vlm() -> ModelFamily:
         pipeline_chunk,
         recompute_plan,
         active_param_count=vlm.active_param_count,
-        mtp_param_count=mtp_param_count,
         tower_recompute_plans=tower_recompute_plans,
     )
 

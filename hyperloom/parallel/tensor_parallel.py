@@ -491,7 +491,7 @@ def vocab_parallel_cross_entropy(
     vocab_start = _rank(group) * logits.shape[-1]
     losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), group, vocab_start)
     if reduction == "mean" and bool((labels != IGNORE_INDEX).all()):
-        return losses.mean()
+        return losses.mean()  # the text families' plain mean, summed as before
     return (losses * token_weights(labels, IGNORE_INDEX, reduction)).sum()
 
 

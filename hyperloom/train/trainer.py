@@ -105,10 +105,9 @@ class Trainer:
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
         # Under pp each step feeds `microbatches` micro-batches of micro_batch_size rows.
         self.rows = t.micro_batch_size * pipeline_microbatches(cfg.parallel)
-        self.multimodal = cfg.model.family == "vlm"  # batches of ImageTokens (models.vlm)
-        make_loader, make_val = (
+        make_loader, make_val = (  # a vlm's batches hold ImageTokens (models.vlm)
             (MultimodalLoader, multimodal_val_batches)
-            if self.multimodal
+            if cfg.model.family == "vlm"
             else (ResumableLoader, val_batches)
         )
         self.loader = make_loader(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import override_args
+from conftest import TINY_VLM, override_args
 
 from hyperloom import checkpoint as ckpt
 from hyperloom.config import config_from_dict, read_toml
@@ -27,19 +27,8 @@ from hyperloom.models.registry import init_model
 STEPS = 5
 GLOBAL_BATCH = 8
 JOB = {
-    "model__preset": "vlm-tiny",
-    "model__dim": 64,
-    "model__n_layers": 2,
-    "model__n_heads": 4,
-    "model__n_kv_heads": 2,
-    "model__ffn_dim": 128,
-    "model__vision_dim": 32,
-    "model__vision_heads": 2,
-    "model__vision_ffn_dim": 64,
-    "model__vision_layers": 3,
-    "data__source": "scenes",
+    **TINY_VLM,
     "data__scene_samples": 256,
-    "data__seq_len": 48,
     "train__steps": STEPS,
     "train__warmup_steps": 2,
     "train__eval_batches": 2,

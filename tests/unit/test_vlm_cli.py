@@ -6,23 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TINY_VLM
 from PIL import Image
 
 from hyperloom.data.multimodal import scenes
 
 VLM = {
-    "model__preset": "vlm-tiny",
-    "model__dim": 64,
-    "model__n_layers": 2,
-    "model__n_heads": 4,
-    "model__n_kv_heads": 2,
-    "model__ffn_dim": 128,
-    "model__vision_dim": 32,
-    "model__vision_heads": 2,
-    "model__vision_ffn_dim": 64,
-    "data__source": "scenes",
+    **TINY_VLM,
     "data__scene_samples": 128,
-    "data__seq_len": 48,
     "train__steps": 3,
     "train__warmup_steps": 1,
     "train__eval_batches": 1,

@@ -371,25 +371,38 @@ class EvalItem:
     chance: float
 
 
+def _prompt(e: _Encoded, tokens_per_image: int) -> np.ndarray:
+    """The first turn's prompt, up to and including 'ASSISTANT:', images expanded."""
+    compact = e.ids[: e.prompt_len]
+    return np.repeat(compact, np.where(e.image[: e.prompt_len], tokens_per_image, 1))
+
+
+def encode_prompt(
+    tok: Tokenizer, question: str, image_token_id: int, tokens_per_image: int
+) -> list[int]:
+    """Token ids of one user turn asking `question` (its `<image>` markers expanded to
+    placeholders), tokenized exactly as a training row's prompt is."""
+    (e,) = encode_conversations(tok, [Conversation(((question, ""),))], image_token_id)
+    return _prompt(e, tokens_per_image).tolist()
+
+
+def eval_item(dataset: MultimodalDataset, i: int) -> EvalItem:
+    """Sample i as a prompt for generation (its first turn) and the answer it should get."""
+    conv = dataset.conversations[i]
+    prompt = _prompt(dataset._encoded[i], dataset.tokens_per_image)
+    return EvalItem(
+        torch.from_numpy(prompt),
+        dataset.images(i),
+        conv.n_images,
+        conv.answer,
+        conv.task,
+        conv.chance,
+    )
+
+
 def eval_prompts(dataset: MultimodalDataset, n: int) -> list[EvalItem]:
     """The first `n` samples (all if fewer) as prompts for generation; the first turn only."""
-    items = []
-    for i in range(min(n, len(dataset))):
-        conv = dataset.conversations[i]
-        e = dataset._encoded[i]
-        compact = e.ids[: e.prompt_len]
-        prompt = np.repeat(compact, np.where(e.image[: e.prompt_len], dataset.tokens_per_image, 1))
-        items.append(
-            EvalItem(
-                torch.from_numpy(prompt),
-                dataset.images(i),
-                conv.n_images,
-                conv.answer,
-                conv.task,
-                conv.chance,
-            )
-        )
-    return items
+    return [eval_item(dataset, i) for i in range(min(n, len(dataset)))]
 
 
 def _norm(text: str) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from hyperloom.data.corpus import SourceFile, _walk, jsonl_objects
+from hyperloom.data.corpus import SourceFile, files_under, jsonl_objects
 from hyperloom.data.errors import DataError
 from hyperloom.data.multimodal.dataset import CLIP_MEAN, IMAGE_MARKER, Conversation
 
@@ -49,22 +49,8 @@ class LlavaRecord:
 
 
 def resolve_llava_files(cfg: Any) -> list[SourceFile]:
-    """The sorted *.jsonl files data.paths names (files, or directories searched recursively)."""
-    if not cfg.paths:
-        raise DataError("data.source is 'llava' but data.paths is empty; list JSONL files or dirs")
-    files: list[SourceFile] = []
-    for raw in cfg.paths:
-        path = Path(raw).expanduser()
-        if not path.exists():
-            raise DataError(f"data path {str(raw)!r} does not exist")
-        if path.is_dir():
-            found = _walk(path.resolve(), ".jsonl")
-            if not found:
-                raise DataError(f"directory {str(raw)!r} contains no *.jsonl files")
-            files.extend(found)
-        else:
-            files.append(SourceFile(path.resolve(), path.name))
-    return files
+    """The *.jsonl files data.paths names (files, or directories searched recursively)."""
+    return files_under(cfg.paths, ".jsonl", "llava")
 
 
 def _image_list(value: Any, where: str) -> list[str]:

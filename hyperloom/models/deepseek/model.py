@@ -103,6 +103,7 @@ class DeepSeekV3(nn.Module):
     use_ops = Llama.use_ops  # select the operator implementations of every module
     materialize = Llama.materialize  # to_empty on `device`, then init_weights(seed)
     embed = Llama.embed  # the first block's input
+    decoder_parameters = Llama.decoder_parameters  # what init_weights draws
     loss_reduction = Llama.loss_reduction
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +128,7 @@ class DeepSeekV3(nn.Module):
         each parameter from its own (seed, name) generator, drawn on CPU (see Llama)."""
         c = self.cfg
         out_std = c.init_std / math.sqrt(2 * (c.n_layers + c.mtp_depth))
-        for name, p in self.named_parameters():
+        for name, p in self.decoder_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("expert_bias"):

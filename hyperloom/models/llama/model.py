@@ -271,7 +271,7 @@ class Llama(nn.Module):
         """
         c = self.cfg
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
-        for name, p in self.named_parameters():
+        for name, p in self.decoder_parameters():
             gen = param_generator(seed, name)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -279,6 +279,11 @@ class Llama(nn.Module):
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else c.init_std
             draw_normal(p, gen, std)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+
+    def decoder_parameters(self):
+        """(name, parameter) that `init_weights`'s rule draws: all of them here; a
+        vision-language model draws its encoder and projector by their own rule."""
+        return self.named_parameters()
 
     def materialize(self, device: torch.device, seed: int) -> Llama:
         """Allocate storage on `device` (from the meta device) and initialise from `seed`.

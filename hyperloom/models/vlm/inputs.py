@@ -4,7 +4,8 @@
 loader yields it as the `inputs` of an (inputs, labels) batch, the trainer moves it to the
 device and takes its data-parallel rows, the pipeline cuts it into micro-batches and hands
 each to the first stage. So it offers the few tensor methods those paths use (`to`, row
-indexing, `chunk`, `shape`) and applies each to both tensors along the batch dimension.
+indexing, `chunk`, `is_floating_point`), each applied to both tensors along the batch
+dimension.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ class ImageTokens:
     tokens: torch.Tensor
     images: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.tokens.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.tokens.device
-
     def is_floating_point(self) -> bool:  # not a hidden state (`llama.model.stage_input`)
         return False
 
@@ -42,9 +35,6 @@ class ImageTokens:
 
     def __getitem__(self, rows) -> ImageTokens:
         return ImageTokens(self.tokens[rows], self.images[rows])
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
 
     def chunk(self, n: int) -> tuple[ImageTokens, ...]:
         return tuple(

@@ -32,9 +32,9 @@ from hyperloom.models.llama.model import Llama, draw_normal, param_generator, st
 from hyperloom.models.vlm.inputs import ImageTokens
 from hyperloom.models.vlm.vision import Projector, VisionEncoder
 
-# The decoder's parameters, for `train.freeze = ["decoder"]`: everything outside the two
-# vision modules.
+# The modules a vlm adds to its decoder; every other parameter is the decoder's.
 VISION_MODULES = ("vision", "projector")
+VISION_PREFIXES = tuple(f"{m}." for m in VISION_MODULES)
 
 
 class VisionLanguage:
@@ -55,6 +55,11 @@ class VisionLanguage:
             *VISION_MODULES,
         )
         self.sequence = None  # sequence parallelism (tensor_parallel.SequenceShard)
+
+    def decoder_parameters(self):
+        """The parameters the decoder's init rule draws: all but the encoder's and
+        projector's (`_init_vision` draws those)."""
+        return ((n, p) for n, p in self.named_parameters() if not n.startswith(VISION_PREFIXES))
 
     def unused_parameters(self) -> list[str]:
         """Parameters no forward reaches: the encoder's blocks above the feature layer."""
@@ -82,17 +87,19 @@ class VisionLanguage:
 
     def _merge_images(self, h, slots, n_slots, images) -> torch.Tensor:
         per = self.tokens_per_image
+        uneven = (n_slots % per).nonzero()
+        if len(uneven):
+            row = int(uneven[0])
+            raise ValueError(
+                f"row {row} holds {int(n_slots[row])} image placeholder tokens "
+                f"(id {self.cfg.image_token_id}); each image takes {per}, so the count "
+                f"must be a multiple of {per}"
+            )
         counts = n_slots // per  # images per row
-        if bool((n_slots % per).any()) or images is None or bool((counts > images.shape[1]).any()):
-            row = int(((n_slots % per) != 0).nonzero()[0]) if bool((n_slots % per).any()) else -1
-            if row >= 0:
-                raise ValueError(
-                    f"row {row} holds {int(n_slots[row])} image placeholder tokens "
-                    f"(id {self.cfg.image_token_id}); each image takes {per}, so the count "
-                    f"must be a multiple of {per}"
-                )
-            have = 0 if images is None else images.shape[1]
-            row = int((counts > have).nonzero()[0])
+        have = 0 if images is None else images.shape[1]
+        short = (counts > have).nonzero()
+        if len(short):
+            row = int(short[0])
             raise ValueError(
                 f"row {row} has placeholders for {int(counts[row])} image(s) but the batch "
                 f"carries {have} image slot(s) per row"
@@ -109,12 +116,9 @@ class VisionLanguage:
     @torch.no_grad()
     def _init_vision(self, seed: int) -> None:
         """LayerNorms one and zero, biases zero, the rest Normal(0, init_std) from their
-        (seed, name) generators -- the decoder's rule, drawn after its own init -- except the
-        patch embedding: Normal(0, 1 / sqrt(3 · patch²)), unit-variance patch features, as a
-        linear layer's fan-in init gives (timm's ViT). At init_std its output was ~0.3 wide,
-        the LayerNorm after it multiplied its gradient by ~3, and vlm-tiny's patch-embedding
-        gradients spiked to 10x the others' norm once the model started to read the images
-        (step ~250 at lr 1e-3)."""
+        (seed, name) generators, as the decoder draws its own -- except the patch embedding:
+        Normal(0, 1 / sqrt(3 · patch²)), a linear layer's fan-in init (timm's ViT), so patch
+        features start at unit variance instead of ~0.3 at init_std."""
         std = self.cfg.init_std
         patch_std = (3 * self.cfg.patch_size**2) ** -0.5
         for prefix in VISION_MODULES:

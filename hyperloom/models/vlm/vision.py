@@ -7,8 +7,8 @@ al., arXiv 2010.11929; CLIP, arXiv 2103.00020; SigLIP, arXiv 2303.15343). Attent
 bidirectional over the patches of one image. LLaVA feeds the projector the output of an inner
 block (`model.vision_feature_layer`, -2 = the second to last), so only that many blocks run;
 the blocks above it and the final LayerNorm exist, as a checkpoint has them, but take no part
-(`unused_parameters`: the trainer freezes them). Names follow Hugging Face's CLIP/SigLIP
-vision towers so the conversion is a prefix swap.
+(`unused_parameters`: the trainer freezes them). Block names follow Hugging Face's
+CLIP/SigLIP vision towers; `hf.py` renames the embeddings and the two outer LayerNorms.
 """
 
 from __future__ import annotations

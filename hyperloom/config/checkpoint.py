@@ -23,7 +23,9 @@ class CheckpointConfig:
     init_from: str = knob(
         "",
         "a fresh run starts from these weights (checkpoint or run dir; no optimizer state, "
-        "step 0): the names it shares with this model, e.g. a llama run for a vlm's decoder",
+        "step 0): the names it shares with this model, e.g. a llama run for a vlm's decoder; "
+        "hf:DIR (or a dir with config.json + safetensors) converts a Hugging Face model, "
+        "whose tokenizer.json becomes the default data.tokenizer",
     )
     async_save: bool = knob(
         False, "stage a CPU copy and write it in a background thread while training goes on"
@@ -39,6 +41,8 @@ class CheckpointConfig:
         p = []
         if not self.resume.strip():
             p.append("checkpoint.resume is empty; use auto, none or a checkpoint path")
+        if self.init_from.startswith("hf:") and not self.init_from[3:].strip():
+            p.append("checkpoint.init_from = 'hf:' names no directory; use hf:DIR")
         if self.every < 0:
             p.append(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
         return p + positive("checkpoint.keep", self.keep)

@@ -8,6 +8,7 @@ value` overrides. `validate` collects each section's checks and mutates nothing,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -130,7 +131,10 @@ def config_from_dict(raw: dict[str, Any], world_size: int | None = None) -> JobC
 
     model_raw = dict(raw.get("model", {}))
     preset = model_raw.get("preset")
-    if preset is not None:
+    # A table that sets every field (a run's saved config.toml) needs nothing from its
+    # preset: an `hf:DIR` preset then loads without DIR, which may be gone since the run.
+    complete = set(model_raw) >= {f.name for f in dataclasses.fields(sections["model"])}
+    if preset is not None and not (complete and ":" in str(preset)):
         try:
             base = preset_values(str(preset))
         except KeyError as exc:

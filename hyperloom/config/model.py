@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,31 @@ class ModelConfig(VisionFields, DeepSeekFields, LlamaFields, ModelChoice):
         """The family of the language model: the family itself, or a vlm's decoder."""
         return self.vlm_decoder if self.family == "vlm" else self.family
 
+    @property
+    def rope_kind(self) -> str:
+        """The RoPE frequency scaling in effect: 'default' at rope_scaling 1 (every kind is
+        the identity there), else rope_type, 'auto' being the family's own (llama3 for
+        llama, DeepSeek's yarn for deepseek)."""
+        if self.rope_scaling <= 1:
+            return "default"
+        if self.rope_type == "auto":
+            return "yarn" if self.decoder_family == "deepseek" else "llama3"
+        return self.rope_type
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The multiplier on the RoPE cos/sin tables: YaRN's attention factor (yarn_attn_factor,
+        or the family's default), 1 for every other kind. Llama's default is YaRN's
+        0.1 ln s + 1 (arXiv 2309.00071 eq. 21, Hugging Face's default); DeepSeek's is 1, since
+        its MLA scales the softmax by yarn_mscale instead."""
+        if self.rope_kind != "yarn":
+            return 1.0
+        if self.yarn_attn_factor > 0:
+            return self.yarn_attn_factor
+        if self.decoder_family == "deepseek":
+            return 1.0
+        return 0.1 * math.log(self.rope_scaling) + 1.0
+
     def problems(self, job: JobConfig) -> list[str]:
         """The decoder's shape: sizes, heads and RoPE (every family)."""
         return decoder_problems(self)
@@ -81,11 +108,31 @@ def preset_names() -> list[str]:
     return list(_presets())
 
 
+# Presets named "SCHEME:ARG" that a higher layer reads: "hf:DIR", a Hugging Face model
+# directory's config.json (registered by `hyperloom.checkpoint.hf`, since the config imports
+# nothing else from hyperloom). A reader returns model-section values or raises ValueError.
+_PRESET_READERS: dict[str, Callable[[str], dict[str, Any]]] = {}
+
+
+def register_preset_reader(scheme: str, reader: Callable[[str], dict[str, Any]]) -> None:
+    """Let `model.preset = "SCHEME:ARG"` take its values from `reader(ARG)`."""
+    _PRESET_READERS[scheme] = reader
+
+
 def preset_values(name: str) -> dict[str, Any]:
-    """Raw model-section values of a preset; KeyError with the known names if unknown."""
+    """Raw model-section values of a preset; KeyError with the known names if unknown, or
+    with the reader's reason for a "SCHEME:ARG" preset it cannot read."""
+    scheme, sep, arg = name.partition(":")
+    if sep and scheme in _PRESET_READERS:
+        try:
+            values = _PRESET_READERS[scheme](arg)
+        except ValueError as exc:
+            raise KeyError(f"'{name}': {exc}") from None
+        return {**values, "preset": name}
     presets = _presets()
     if name not in presets:
-        raise KeyError(f"unknown preset '{name}'; known presets: {', '.join(presets)}")
+        schemes = "".join(f", or {s}:PATH" for s in _PRESET_READERS)
+        raise KeyError(f"unknown preset '{name}'; known presets: {', '.join(presets)}{schemes}")
     return dict(presets[name])
 
 

@@ -539,7 +539,7 @@ def test_model_fields_keep_the_section_order():
     assert names.index("dropout") + 1 == names.index("n_routed_experts")
     assert names.index("mtp_loss_weight") + 1 == names.index("vlm_decoder")
     assert names[-2:] == ["pixel_shuffle", "image_token_id"]
-    assert len(names) == 62  # 2 choice + 17 decoder + 25 deepseek + 18 vision keys
+    assert len(names) == 65  # 2 choice + 21 decoder + 24 deepseek + 18 vision keys
 
 
 def test_schedule_shapes_have_one_rule():
@@ -649,3 +649,18 @@ def test_expert_tensor_parallel_validation():
     overlap = {"pp": 2, "dp": 2, "ep": 2, "tp": 2, "etp": 2, "pp_schedule": "dualpipe"}
     got = problems({**moe, "parallel": {**overlap, "ep_overlap": True}}, 8)
     assert any("parallel.etp = 2 with parallel.ep_overlap is not supported" in p for p in got)
+
+
+def test_a_saved_config_loads_without_its_hf_directory(tmp_path):
+    """A run's config.toml sets every model field, so `preset = "hf:DIR"` needs no DIR to
+    load again (generate / export after DIR is gone); a partial table still reads DIR."""
+    import dataclasses
+
+    from hyperloom.config import ConfigError, ModelConfig, config_from_dict
+
+    gone = str(tmp_path / "gone")
+    full = dataclasses.asdict(ModelConfig()) | {"preset": f"hf:{gone}", "dim": 192}
+    assert config_from_dict({"model": full}, world_size=1).model.dim == 192
+    partial = {k: v for k, v in full.items() if k != "dim"}
+    with pytest.raises(ConfigError, match="model.preset"):
+        config_from_dict({"model": partial}, world_size=1)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hyperloom import checkpoint as ckpt
 from hyperloom.checkpoint.hf import ConvertError, export_hf, import_hf
-from hyperloom.config import JobConfig, dumps_toml, preset_config
+from hyperloom.config import JobConfig, dumps_toml, preset_config, read_toml
 from hyperloom.models.registry import init_model
 
 LLAMA = dict(
@@ -23,6 +23,10 @@ DEEPSEEK = dict(
     q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_seq_len=64, mtp_depth=0,
 )  # fmt: skip
+
+
+# DeepSeek-V2-Lite's routing (deepseek-v2-lite): softmax, no groups, no renormalisation.
+V2_ROUTING = dict(moe_score="softmax", moe_n_groups=1, moe_topk_groups=1, moe_norm_topk=False)
 
 
 def _checkpoint(run_dir, model_cfg):
@@ -45,9 +49,14 @@ def _checkpoint_of(run_dir, model, model_cfg):
         ("tiny", {**LLAMA, "rope_scaling": 8.0, "rope_original_max_seq": 16}),
         ("tiny", {**LLAMA, "qk_norm": True}),
         ("moe-tiny", DEEPSEEK),
+        ("moe-tiny", {**DEEPSEEK, "mtp_depth": 2}),
+        ("moe-tiny", {**DEEPSEEK, **V2_ROUTING}),
     ],
-    ids=["llama", "llama-tied", "llama-rope-scaled", "llama-qk-norm", "deepseek"],
-)
+    ids=[
+        "llama", "llama-tied", "llama-rope-scaled", "llama-qk-norm", "deepseek",
+        "deepseek-mtp", "deepseek-softmax",
+    ],
+)  # fmt: skip
 def test_export_then_import_is_exact(tmp_path, base, values):
     cfg = dataclasses.replace(preset_config(base), **values)
     _, state = _checkpoint(tmp_path / "run", cfg)
@@ -163,3 +172,86 @@ def test_a_full_volume_is_a_convert_error_and_leaves_no_half_run(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert not (tmp_path / "new").exists()
+
+
+def _random_router_bias(model, scale: float = 0.05):
+    """A correction bias large enough to change which experts tokens pick."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for moe in model.moe_layers().values():
+            moe.router.expert_bias.copy_(torch.randn(moe.router.expert_bias.shape, generator=gen))
+            moe.router.expert_bias.mul_(scale)
+
+
+@pytest.mark.parametrize(
+    "values,hf_class",
+    [
+        ({"mtp_depth": 1}, "DeepseekV3ForCausalLM"),
+        ({"norm_eps": 1e-5}, "DeepseekV3ForCausalLM"),
+        ({**V2_ROUTING, "q_lora_rank": 0}, "DeepseekV2ForCausalLM"),
+        ({**V2_ROUTING, "moe_n_groups": 4, "moe_topk_groups": 2}, "DeepseekV2ForCausalLM"),
+    ],
+    ids=["mtp", "norm-eps-1e-5", "softmax-v2-lite", "softmax-groups"],
+)
+def test_exported_deepseek_loads_in_transformers_with_the_same_logits(tmp_path, values, hf_class):
+    """MTP exports (the copies of the shared embedding and head are copies, not views, which
+    safetensors refused); MLA's latent norms match transformers' eps (1e-6) whatever norm_eps
+    is; softmax routing exports as DeepseekV2 and imports back as softmax."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = dataclasses.replace(preset_config("moe-tiny"), **{**DEEPSEEK, **values})
+    model = init_model(cfg, "cpu", seed=5)
+    if cfg.moe_score == "sigmoid":
+        _random_router_bias(model)
+    _checkpoint_of(tmp_path / "run", model, cfg)
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    names = set(load_file(str(out / "model.safetensors")))
+    if cfg.mtp_depth:  # the released V3 layout of the MTP layer
+        mtp = f"model.layers.{cfg.n_layers}."
+        for leaf in ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm"):
+            assert f"{mtp}{leaf}.weight" in names
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == hf_class
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model.eval()(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
+    back = ckpt.resolve_checkpoint(import_hf(out, tmp_path / "back"))
+    raw = read_toml(back / "config.toml")["model"]
+    assert (raw["moe_score"], raw["mtp_depth"]) == (cfg.moe_score, cfg.mtp_depth)
+
+
+def test_mla_latent_norms_use_eps_1e_6():
+    cfg = dataclasses.replace(preset_config("moe-tiny"), **{**DEEPSEEK, "norm_eps": 1e-5})
+    attention = init_model(cfg, "cpu", seed=5).layers["0"].attention
+    assert (attention.q_norm.eps, attention.kv_norm.eps) == (1e-6, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({**V2_ROUTING, "moe_norm_topk": True}, "moe_norm_topk = true"),
+        ({**V2_ROUTING, "mtp_depth": 1}, "mtp_depth = 1: DeepseekV2 has no MTP"),
+        (V2_ROUTING, "expert_bias is not zero"),
+    ],
+    ids=["norm-topk", "mtp", "bias"],
+)
+def test_softmax_export_refuses_what_deepseek_v2_cannot_hold(tmp_path, values, message):
+    cfg = dataclasses.replace(preset_config("moe-tiny"), **{**DEEPSEEK, **values})
+    model = init_model(cfg, "cpu", seed=5)
+    if message.startswith("expert_bias"):
+        _random_router_bias(model)
+    _checkpoint_of(tmp_path / "run", model, cfg)
+    with pytest.raises(ConvertError, match=message):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_refuses_an_mtp_copy_that_is_not_the_shared_embedding(tmp_path):
+    cfg = dataclasses.replace(preset_config("moe-tiny"), **{**DEEPSEEK, "mtp_depth": 1})
+    _checkpoint(tmp_path / "run", cfg)
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    weights = load_file(str(out / "model.safetensors"))
+    weights[f"model.layers.{cfg.n_layers}.embed_tokens.weight"] += 1.0
+    save_file(weights, str(out / "model.safetensors"))
+    with pytest.raises(ConvertError, match="embed_tokens.weight' differs from the model's shared"):
+        import_hf(out, tmp_path / "back")

@@ -1,9 +1,10 @@
 """Model fields of the DeepSeek family (hyperloom.models.deepseek) and their checks.
 
 Mixture-of-Experts (routed and shared experts, group-limited routing, balancing), Multi-head
-Latent Attention (low-rank query and key/value, decoupled RoPE, YaRN) and Multi-Token
-Prediction. The keys stay in the one flat `[model]` section (`--model.n_routed_experts 8`);
-other families must leave them at their defaults, and the checks here say so.
+Latent Attention (low-rank query and key/value, decoupled RoPE, its softmax scale under RoPE
+scaling) and Multi-Token Prediction. The keys stay in the one flat `[model]` section
+(`--model.n_routed_experts 8`); other families must leave them at their defaults, and the
+checks here say so.
 """
 
 from __future__ import annotations
@@ -42,16 +43,19 @@ class DeepSeekFields:
     moe_seq_aux_alpha: float = knob(0.0, "sequence-wise balance loss weight alpha (0 = off)")
     moe_aux_alpha: float = knob(0.0, "batch-wise (Switch/GShard) balance loss weight (0 = off)")
     moe_z_loss: float = knob(0.0, "router z-loss weight (0 = off)")
+    moe_imbalance: float = knob(
+        1.25,
+        "planner only: tokens the busiest expert-parallel rank receives over the mean "
+        "(hyperloom plan's load assumption; 1 = perfectly balanced routing)",
+    )
     q_lora_rank: int = knob(0, "MLA low-rank query width (0 = plain query projection)")
     kv_lora_rank: int = knob(0, "MLA compressed key/value width (the cached latent)")
     qk_nope_head_dim: int = knob(0, "MLA per-head query/key width without RoPE")
     qk_rope_head_dim: int = knob(0, "MLA decoupled RoPE width (one key shared by all heads)")
     v_head_dim: int = knob(0, "MLA per-head value width")
-    yarn_beta_fast: float = knob(
-        32.0, "YaRN ramp end (rotations); deepseek uses rope_scaling as YaRN factor"
+    yarn_mscale: float = knob(
+        1.0, "MLA softmax-scale coefficient under RoPE scaling (HF mscale_all_dim; 0 = off)"
     )
-    yarn_beta_slow: float = knob(1.0, "YaRN ramp start (rotations)")
-    yarn_mscale: float = knob(1.0, "YaRN attention-scale coefficient (mscale_all_dim)")
     mtp_depth: int = knob(0, "multi-token prediction modules D (0 = off)")
     mtp_loss_weight: float = knob(0.3, "MTP loss weight lambda; each module's loss gets lambda / D")
 
@@ -109,10 +113,6 @@ def _mla_problems(m: ModelConfig) -> list[str]:
             f"model.mtp_depth ({m.mtp_depth}) and model.mtp_loss_weight ({m.mtp_loss_weight}) "
             f"must be >= 0"
         )
-    # YaRN's ramp is measured in rotations (a logarithm of them): both ends positive.
-    for key in ("yarn_beta_fast", "yarn_beta_slow"):
-        if getattr(m, key) <= 0:
-            out.append(f"model.{key} must be positive (rotations), got {getattr(m, key)}")
     if m.yarn_mscale < 0:
         out.append(f"model.yarn_mscale must be >= 0, got {m.yarn_mscale}")
     return out
@@ -127,6 +127,11 @@ def _moe_problems(m: ModelConfig) -> list[str]:
         )
     if m.moe_route_scale <= 0:
         out.append(f"model.moe_route_scale must be positive, got {m.moe_route_scale}")
+    if not m.moe_imbalance >= 1:
+        out.append(
+            f"model.moe_imbalance must be >= 1 (the busiest rank's load over the mean), "
+            f"got {m.moe_imbalance}"
+        )
     for key in (
         "moe_bias_rate",
         "moe_seq_aux_alpha",

@@ -1,7 +1,7 @@
 """Model fields of the Llama-style decoder, which every family builds on, and their checks.
 
-Sizes, attention heads, RoPE (with Llama 3.1's frequency scaling), norm, init and dropout are
-read by every family; `qk_norm` (OLMo 2 / Qwen3) is built for the llama family only, and the
+Sizes, attention heads, RoPE (with linear, Llama 3.1 or YaRN frequency scaling, `rope_type`),
+norm, init and dropout are read by every family; `qk_norm` (OLMo 2 / Qwen3) is built for the llama family only, and the
 DeepSeek group rejects it. The fields keep the order of the `[model]` section.
 """
 
@@ -28,10 +28,23 @@ class LlamaFields:
     ffn_dim: int = knob(1024, "SwiGLU hidden width")
     norm_eps: float = knob(1e-5, "RMSNorm epsilon")
     rope_theta: float = knob(10000.0, "RoPE base frequency")
-    rope_scaling: float = knob(1.0, "Llama-3.1 RoPE frequency scaling factor (1 = none)")
+    rope_scaling: float = knob(1.0, "RoPE context-extension factor s (1 = none); see rope_type")
+    rope_type: str = knob(
+        "auto",
+        "how rope_scaling > 1 stretches the RoPE frequencies: linear (position interpolation), "
+        "llama3 (Llama 3.1), yarn; auto = llama3 for llama, yarn for deepseek",
+        choices=["auto", "linear", "llama3", "yarn"],
+    )
     rope_low_freq_factor: float = knob(1.0, "Llama-3.1 RoPE low-frequency factor")
     rope_high_freq_factor: float = knob(4.0, "Llama-3.1 RoPE high-frequency factor")
     rope_original_max_seq: int = knob(8192, "context length the RoPE scaling extends from")
+    yarn_beta_fast: float = knob(32.0, "YaRN ramp end (rotations within the original context)")
+    yarn_beta_slow: float = knob(1.0, "YaRN ramp start (rotations)")
+    yarn_attn_factor: float = knob(
+        0.0,
+        "YaRN's multiplier on the RoPE cos/sin tables (HF attention_factor); 0 = the family's "
+        "default: 0.1 ln(rope_scaling) + 1 for llama, 1 for deepseek (yarn_mscale instead)",
+    )
     max_seq_len: int = knob(2048, "longest sequence the RoPE tables are built for")
     tie_embeddings: bool = knob(False, "share the input embedding with the output head")
     qk_norm: bool = knob(
@@ -82,12 +95,30 @@ def decoder_problems(m: ModelConfig) -> list[str]:
                 f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads "
                 f"({m.n_kv_heads}): {m.n_heads} / {m.n_kv_heads} = {m.n_heads / m.n_kv_heads:.4g}"
             )
+    return p + _rope_problems(m)
+
+
+def _rope_problems(m: ModelConfig) -> list[str]:
+    """RoPE scaling: a factor >= 1, and the parameters of the kind in effect sane."""
+    p = []
     if m.rope_scaling < 1:
         p.append(f"model.rope_scaling must be >= 1 (1 = no scaling), got {m.rope_scaling}")
-    elif m.rope_scaling > 1 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    elif m.rope_kind == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         p.append(
             f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
             f"model.rope_low_freq_factor ({m.rope_low_freq_factor})"
+        )
+    # YaRN's ramp is measured in rotations (a logarithm of them): both ends positive.
+    for key in ("yarn_beta_fast", "yarn_beta_slow"):
+        if getattr(m, key) <= 0:
+            p.append(f"model.{key} must be positive (rotations), got {getattr(m, key)}")
+    if m.yarn_attn_factor < 0:
+        p.append(f"model.yarn_attn_factor must be >= 0 (0 = default), got {m.yarn_attn_factor}")
+    elif m.yarn_attn_factor and m.rope_kind != "yarn":
+        p.append(
+            f"model.yarn_attn_factor = {m.yarn_attn_factor} is read only by YaRN, but the RoPE "
+            f"scaling in effect is '{m.rope_kind}' (rope_scaling = {m.rope_scaling}, rope_type "
+            f"= '{m.rope_type}')"
         )
     return p
 

@@ -13,7 +13,13 @@ from hyperloom.engine.ops.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from hyperloom.engine.ops.rmsnorm import rms_norm, rms_norm_reference
-from hyperloom.engine.ops.rope import apply_rope, rope, rope_inv_freq, rope_tables
+from hyperloom.engine.ops.rope import (
+    apply_rope,
+    rope,
+    rope_inv_freq,
+    rope_tables,
+    scaled_inv_freq,
+)
 from hyperloom.engine.ops.select import OPS, OpImpls, use_ops
 from hyperloom.engine.ops.swiglu import swiglu, swiglu_reference
 
@@ -32,6 +38,7 @@ __all__ = [
     "rope",
     "rope_inv_freq",
     "rope_tables",
+    "scaled_inv_freq",
     "sdpa_backends",
     "swiglu",
     "swiglu_reference",

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 §2.1) with YaRN, and its cache.
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 §2.1) and its compressed cache.
 
 Queries come from a low-rank path wq_a → RMSNorm → wq_b (or one wq), split into q_nope and
 q_pe. Keys and values come from one latent: wkv_a gives c_kv (RMS-normalised) and k_pe, a
@@ -13,11 +13,15 @@ V3). With W_UK, W_UV the k_nope and v slices of wkv_b,
 so attention runs in the latent space and keys/values are never expanded; it equals the
 training path up to rounding (tested).
 
-**YaRN** (arXiv 2309.00071; DeepSeek-V3 `precompute_freqs_cis`). Each rotary frequency f_i is
-blended between f_i (high frequencies) and f_i / s (low ones, s = `rope_scaling`) by a linear
-ramp between the dimensions rotating `yarn_beta_fast` and `yarn_beta_slow` times within the
-original context, d(r) = D ln(L_orig / (2π r)) / (2 ln θ). The attention scale gets mscale²,
-mscale = 0.1 · `yarn_mscale` · ln s + 1, since stretched positions flatten the softmax.
+**RoPE scaling** (`model.rope_kind`; YaRN by default, arXiv 2309.00071, DeepSeek-V3's
+`precompute_freqs_cis`): the tables come from `rope_tables_of`. Stretched positions flatten
+the softmax, so under any scaling the softmax scale gets mscale², mscale = 0.1 · `yarn_mscale`
+· ln s + 1 (DeepSeek's `mscale_all_dim`; Hugging Face's `yarn_apply_mscale`).
+
+**Latent norms.** The query and key/value latents are RMS-normalised with ε = 1e-6 whatever
+`norm_eps` says: DeepSeek's reference (`RMSNorm(q_lora_rank)`, default eps 1e-6) and
+transformers' `DeepseekV3RMSNorm` default both build them so, and only the block norms read
+`rms_norm_eps`.
 """
 
 from __future__ import annotations
@@ -33,33 +37,13 @@ from hyperloom.engine import ops
 from hyperloom.engine.ops import OpImpls
 from hyperloom.models.llama.model import CoreAttention, RMSNorm, rope_window
 
-
-def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies (rope_dim // 2,), float64, YaRN-blended when rope_scaling > 1."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    factor = cfg.rope_scaling
-    if factor <= 1:
-        return inv
-
-    def correction_dim(rotations: float) -> float:
-        return (
-            dim
-            * math.log(cfg.rope_original_max_seq / (rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
-
-    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return inv * (1 - ramp) + inv / factor * ramp
+# The latent RMSNorms' epsilon (see the module doc).
+LATENT_NORM_EPS = 1e-6
 
 
 def yarn_correction(cfg: ModelConfig) -> float:
-    """mscale² when YaRN stretches the context (rope_scaling > 1), else 1."""
-    if cfg.rope_scaling <= 1:
+    """mscale² when RoPE scaling stretches the context (rope_scaling > 1), else 1."""
+    if cfg.rope_kind == "default":
         return 1.0
     mscale = 0.1 * cfg.yarn_mscale * math.log(cfg.rope_scaling) + 1.0
     return mscale * mscale
@@ -134,12 +118,12 @@ class MLA(nn.Module):
         q_out = cfg.n_heads * (self.nope + self.rope_dim)
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, q_out, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         self.scale = softmax_scale(cfg)

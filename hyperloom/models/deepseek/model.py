@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperloom.config import ModelConfig
-from hyperloom.engine import ops
 from hyperloom.engine.ops import OpImpls
 from hyperloom.models.deepseek import balance
-from hyperloom.models.deepseek.mla import MLA, MLACache, yarn_inv_freq
+from hyperloom.models.deepseek.mla import MLA, MLACache
 from hyperloom.models.deepseek.moe import MoE
 from hyperloom.models.llama.model import (
     FeedForward,
@@ -40,6 +39,7 @@ from hyperloom.models.llama.model import (
     TransformerBlock,
     draw_normal,
     param_generator,
+    rope_tables_of,
 )
 
 # Output projections into the residual stream: their init std is scaled by 1/sqrt(2 L).
@@ -107,12 +107,7 @@ class DeepSeekV3(nn.Module):
     loss_reduction = Llama.loss_reduction
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        if device.type == "meta":
-            empty = torch.empty(c.max_seq_len, c.qk_rope_head_dim, device=device)
-            return empty, empty.clone()
-        cos, sin = ops.rope_tables(yarn_inv_freq(c), c.max_seq_len)
-        return cos.to(device), sin.to(device)
+        return rope_tables_of(self.cfg, self.cfg.qk_rope_head_dim, device)  # MLA's rope part
 
     def moe_layers(self) -> dict[str, MoE]:
         """Name -> MoE layer, main layers then MTP blocks."""

@@ -89,6 +89,29 @@ class CoreAttention(nn.Module):
         return ops.attention(q, k, v, is_causal=True, impl=self.ops.attention, dropout_p=p)
 
 
+def rope_tables_of(
+    cfg: ModelConfig, rope_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq_len, rope_dim) of the config's RoPE: its scaling kind
+    (`cfg.rope_kind`) and attention factor; uninitialised on the meta device."""
+    if device.type == "meta":
+        empty = torch.empty(cfg.max_seq_len, rope_dim, device=device)
+        return empty, empty.clone()
+    inv = ops.scaled_inv_freq(
+        cfg.rope_kind,
+        rope_dim,
+        cfg.rope_theta,
+        cfg.rope_scaling,
+        low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_seq=cfg.rope_original_max_seq,
+        beta_fast=cfg.yarn_beta_fast,
+        beta_slow=cfg.yarn_beta_slow,
+    )
+    cos, sin = ops.rope_tables(inv, cfg.max_seq_len, cfg.rope_attention_factor)
+    return cos.to(device), sin.to(device)
+
+
 def rope_window(cos: torch.Tensor, sin: torch.Tensor, seq: int, context=None):
     """The RoPE rows of `seq` positions from tables that start at the first one: the first
     `seq` rows, or under context parallelism the rows of this rank's global positions."""
@@ -244,21 +267,7 @@ class Llama(nn.Module):
         return ops.use_ops(self, impls)
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        head_dim = c.dim // c.n_heads
-        if device.type == "meta":
-            empty = torch.empty(c.max_seq_len, head_dim, device=device)
-            return empty, empty.clone()
-        inv = ops.rope_inv_freq(
-            head_dim,
-            c.rope_theta,
-            c.rope_scaling,
-            c.rope_low_freq_factor,
-            c.rope_high_freq_factor,
-            c.rope_original_max_seq,
-        )
-        cos, sin = ops.rope_tables(inv, c.max_seq_len)
-        return cos.to(device), sin.to(device)
+        return rope_tables_of(self.cfg, self.cfg.dim // self.cfg.n_heads, device)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -76,7 +76,12 @@ _ACT_FROM_HF = {**{v: k for k, v in _ACT_TO_HF.items()}, "gelu_new": "gelu_tanh"
 
 _CLIP = "clip_vision_model"
 _SIGLIP = "siglip_vision_model"
-_TEXT_TYPES = {"llama": "llama", "qwen3": "llama", "deepseek_v3": "deepseek"}
+_TEXT_TYPES = {
+    "llama": "llama",
+    "qwen3": "llama",
+    "deepseek_v3": "deepseek",
+    "deepseek_v2": "deepseek",
+}
 
 
 def _decoder_adapter(decoder: str):
@@ -212,10 +217,13 @@ def _split_hf(name: str) -> tuple[str, str] | None:
     raise KeyError(f"no hyperloom name for Hugging Face parameter '{name}'")
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, hf: Any = None
+) -> dict[str, torch.Tensor]:
     """`LlavaForConditionalGeneration` weights (the llava-hf layout or transformers 5's own
     names) -> hyperloom names. Drops position-id and rotary buffers, a tied lm_head, and a
-    SigLIP tower's pooling head (logged: LLaVA never runs it)."""
+    SigLIP tower's pooling head (logged: LLaVA never runs it). `hf`, the LLaVA config, tells a
+    DeepSeek decoder's RoPE layout (default: interleaved, as released)."""
     out: dict[str, torch.Tensor] = {}
     text: dict[str, torch.Tensor] = {}
     head: list[str] = []
@@ -241,7 +249,12 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
             len(head),
             head[0],
         )
-    out.update(_decoder_adapter(cfg.vlm_decoder).from_hf_state_dict(text, cfg))
+    adapter = _decoder_adapter(cfg.vlm_decoder)
+    if cfg.vlm_decoder == "deepseek":
+        interleaved = hf is None or adapter.rope_interleaved(hf.text_config)
+        out.update(adapter.from_hf_state_dict(text, cfg, interleaved))
+    else:
+        out.update(adapter.from_hf_state_dict(text, cfg))
     return out
 
 
@@ -308,8 +321,9 @@ def _feature_layer(layer: Any, depth: int) -> int:
     return layer
 
 
-def config_from_hf(hf: Any) -> dict[str, Any]:
-    """Model-section values (family vlm) from a `LlavaConfig`-like object. Raises ValueError,
+def config_from_hf(hf: Any, names: list[str] | None = None) -> dict[str, Any]:
+    """Model-section values (family vlm) from a `LlavaConfig`-like object (`names`: the
+    checkpoint's tensor names, which the decoder's adapter may read). Raises ValueError,
     naming the field, for what this model cannot represent."""
     text, vision = hf.text_config, hf.vision_config
     text_type = getattr(text, "model_type", None)
@@ -345,7 +359,10 @@ def config_from_hf(hf: Any) -> dict[str, Any]:
             "patch (SigLIP has no class token to drop); this model keeps every patch ('full')"
         )
     decoder = _TEXT_TYPES[text_type]
-    values = _decoder_adapter(decoder).config_from_hf(text)
+    text_names = None
+    if names is not None:  # the decoder's, under the names its causal-LM class has
+        text_names = [split[1] for n in names if (split := _split_hf(n)) and split[0] == "text"]
+    values = _decoder_adapter(decoder).config_from_hf(text, text_names)
     tied = bool(getattr(hf, "tie_word_embeddings", False) or text.tie_word_embeddings)
     values.update(
         family="vlm",

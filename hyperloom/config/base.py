@@ -134,6 +134,10 @@ def _convert(value: Any, typ: Any, key: str, inf_ok: bool = False) -> Any:
     """Check or convert one value against its annotated type; raise with the key named."""
     origin = typing.get_origin(typ)
     from_cli = isinstance(value, CliValue)
+    if dataclasses.is_dataclass(typ):  # an entry of a list of tables, e.g. [[data.blend]]
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table {{key = value, ...}}, got {value!r}")
+        return build_section(typ, value, key)
     if origin in (list, tuple):
         (item,) = typing.get_args(typ)[:1]
         if from_cli:
@@ -252,11 +256,24 @@ def dumps_toml(cfg: Any) -> str:
         value = getattr(cfg, section.name)
         lines.append(f"[{section.name}]  # {type(value).__doc__.strip().splitlines()[0]}")
         for f in dataclasses.fields(value):
-            rendered = tomli_w.dumps({f.name: getattr(value, f.name)}).strip()
+            rendered = f"{f.name} = {_inline_toml(getattr(value, f.name))}"
             doc = f.metadata.get("doc", "")
             lines.append(f"{rendered:<40} # {doc}" if doc else rendered)
         lines.append("")
     return "\n".join(lines)
+
+
+def _inline_toml(value: Any) -> str:
+    """One value on one line: lists inline, a list's tables (dataclasses) as inline tables,
+    so a key stays in its section's table whatever it holds."""
+    if dataclasses.is_dataclass(value):
+        items = (
+            f"{f.name} = {_inline_toml(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
 
 
 def dump_toml_file(cfg: Any, path: str | os.PathLike) -> None:

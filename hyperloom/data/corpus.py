@@ -1,11 +1,17 @@
-"""Corpora: turn a data config into a list of documents, a subset and a train/val split.
+"""Corpora: documents with stable identifiers, read as streams; the subset and the split.
 
-Sources: ``stdlib`` (the interpreter's standard library ``*.py`` files: on every machine, no
-download, the default), ``text`` (files, split at literal eos tokens) and ``jsonl`` (one
-object per line, the document in ``text_field``). Each document has a stable identifier, and
-the ``max_corpus_mb`` subset and the validation split are decided by SHA-1 of it (never
-Python's salted ``hash()``), so they are identical everywhere. They use different salts, or a
-small subset would hold validation documents only.
+Sources of text (`readers` knows them all): ``stdlib`` (the interpreter's standard library
+``*.py`` files: on every machine, no download, the default), ``text`` (files, split at literal
+eos tokens) and ``jsonl`` (one object per line, the document in ``text_field``) live here;
+Parquet, Arrow and Megatron files in their own modules. Every reader yields documents one at a
+time, so a corpus never has to fit in memory.
+
+Each document has a stable identifier, and the ``max_corpus_mb`` subset, the validation split
+and the tokenizer's training sample are decided by SHA-1 of it (never Python's salted
+``hash()``), so they are identical everywhere. They use different salts, or a small subset
+would hold validation documents only. The rules work on arrays of those hashes and sizes
+(`budget_mask`, `split_mask`), which is what lets a build decide them in one pass over a corpus
+that does not fit in memory and then read it again for the chosen documents only.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import numpy as np
 
 from hyperloom.data.errors import DataError, fmt_int
 
 logger = logging.getLogger("hyperloom.data")
 
-SOURCES = ("stdlib", "text", "jsonl")
 _EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_READ_CHARS = 1 << 20  # a text file is read this many characters at a time
 
 
 @dataclass(frozen=True)
@@ -72,21 +79,13 @@ def _walk(root: Path, suffix: str, skip_dirs: frozenset[str] = frozenset()) -> l
     return sorted(found, key=lambda f: f.name)
 
 
-def resolve_files(cfg: Any) -> list[SourceFile]:
-    """The sorted list of files a config reads; raises DataError for bad sources/paths."""
-    source = cfg.source
-    if source not in SOURCES:
-        raise DataError(f"unknown data source {source!r}; allowed: {', '.join(SOURCES)}")
-    if source == "stdlib":
-        if cfg.paths:
-            logger.warning("data.source is 'stdlib'; ignoring data.paths=%s", list(cfg.paths))
-        root = stdlib_root()
-        files = _walk(root, ".py", _EXCLUDED_STDLIB_DIRS)
-        if not files:
-            raise DataError(f"no *.py files found in the standard library at {root}")
-        return files
-
-    return files_under(cfg.paths, ".txt" if source == "text" else ".jsonl", source)
+def stdlib_files() -> list[SourceFile]:
+    """The standard library's *.py files (without site-packages), sorted."""
+    root = stdlib_root()
+    files = _walk(root, ".py", _EXCLUDED_STDLIB_DIRS)
+    if not files:
+        raise DataError(f"no *.py files found in the standard library at {root}")
+    return files
 
 
 def files_under(paths: Sequence[str], suffix: str, source: str) -> list[SourceFile]:
@@ -118,13 +117,32 @@ def file_fingerprint(files: Sequence[SourceFile]) -> list[tuple[str, int, int]]:
     return out
 
 
-def _read_text(f: SourceFile) -> str:
-    return f.path.read_text(encoding="utf-8", errors="replace")
+# --- text, JSONL and stdlib documents, streamed ----------------------------------------------
 
 
-def _text_documents(f: SourceFile, eos_token: str) -> list[Document]:
-    parts = _read_text(f).split(eos_token) if eos_token else [_read_text(f)]
-    return [Document(f"{f.name}#{k}", part) for k, part in enumerate(parts) if part.strip()]
+def stdlib_documents(f: SourceFile) -> Iterator[Document]:
+    """A standard-library file is one document (source files are small)."""
+    text = f.path.read_text(encoding="utf-8", errors="replace")
+    if text.strip():
+        yield Document(f.name, text)
+
+
+def text_documents(f: SourceFile, eos_token: str) -> Iterator[Document]:
+    """A text file's documents: split at each literal eos token, read a block at a time, so a
+    file of any size streams (the k-th part is `name#k`; blank parts are skipped)."""
+    k, buf = 0, ""
+    with open(f.path, encoding="utf-8", errors="replace") as fh:
+        while block := fh.read(_READ_CHARS):
+            buf += block
+            if not eos_token:
+                continue
+            *whole, buf = buf.split(eos_token)  # the tail may hold the start of an eos
+            for part in whole:
+                if part.strip():
+                    yield Document(f"{f.name}#{k}", part)
+                k += 1
+    if buf.strip():
+        yield Document(f"{f.name}#{k}", buf)
 
 
 def jsonl_objects(path: Path) -> Iterator[tuple[int, str, dict]]:
@@ -144,8 +162,8 @@ def jsonl_objects(path: Path) -> Iterator[tuple[int, str, dict]]:
             yield line_no, where, record
 
 
-def _jsonl_documents(f: SourceFile, text_field: str) -> list[Document]:
-    docs = []
+def jsonl_documents(f: SourceFile, text_field: str) -> Iterator[Document]:
+    """One document per JSONL line (`name#line`), its text in `text_field`."""
     for line_no, where, record in jsonl_objects(f.path):
         if text_field not in record:
             keys = ", ".join(sorted(record)) or "none"
@@ -156,34 +174,64 @@ def _jsonl_documents(f: SourceFile, text_field: str) -> list[Document]:
                 f"{where}: field {text_field!r} is a {type(text).__name__}, expected a string"
             )
         if text.strip():
-            docs.append(Document(f"{f.name}#{line_no}", text))
-    return docs
+            yield Document(f"{f.name}#{line_no}", text)
 
 
-def load_documents(cfg: Any, files: Sequence[SourceFile] | None = None) -> list[Document]:
-    """Read every document of the configured corpus, in file order."""
-    files = resolve_files(cfg) if files is None else files
-    docs: list[Document] = []
-    for f in files:
-        try:
-            if cfg.source == "stdlib":
-                text = _read_text(f)
-                if text.strip():
-                    docs.append(Document(f.name, text))
-            elif cfg.source == "text":
-                docs.extend(_text_documents(f, cfg.eos_token))
-            else:
-                docs.extend(_jsonl_documents(f, cfg.text_field))
-        except OSError as exc:  # unreadable: permissions, a directory, an I/O error
-            raise DataError(
-                f"cannot read data file {str(f.path)!r}: {exc.strerror or exc}"
-            ) from None
-    if not docs:
-        names = ", ".join(repr(str(f.path)) for f in files[:3]) + (
-            ", ..." if len(files) > 3 else ""
+# --- the subset and the split ----------------------------------------------------------------
+
+
+def units(ids: Sequence[str], salt: str) -> np.ndarray:
+    """`stable_unit` of each identifier, as float64."""
+    return np.fromiter((stable_unit(i, salt) for i in ids), dtype=np.float64, count=len(ids))
+
+
+def budget_mask(units: np.ndarray, nbytes: np.ndarray, budget: float) -> np.ndarray:
+    """Documents taken in order of their hash until `budget` bytes are reached, the one that
+    crosses it included (never empty); ties keep the original order. A boolean mask."""
+    order = np.argsort(units, kind="stable")
+    before = np.cumsum(nbytes[order]) - nbytes[order]  # bytes taken before each document
+    mask = np.zeros(len(units), dtype=bool)
+    mask[order[before < budget]] = True
+    return mask
+
+
+def subset_mask(units: np.ndarray, nbytes: np.ndarray, max_mb: float) -> np.ndarray:
+    """The `max_corpus_mb` subset (0 = all) as a mask; see `select_subset`."""
+    if max_mb < 0:
+        raise DataError(f"max_corpus_mb must be >= 0 (0 = whole corpus), got {max_mb}")
+    if max_mb == 0:
+        return np.ones(len(units), dtype=bool)
+    return budget_mask(units, nbytes, int(max_mb * 1e6))
+
+
+def split_mask(units: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Which documents are validation documents; see `split_documents`."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n = len(units)
+    if n < 2:
+        raise DataError(
+            f"the corpus has {n} document(s); at least 2 are needed to hold one out for "
+            "validation (use several files, JSONL lines, or separate documents in a text file "
+            "with the eos token)"
         )
-        raise DataError(f"the {cfg.source!r} corpus is empty: no text found in {names}")
-    return docs
+    is_val = units < val_fraction
+    if not is_val.any():
+        is_val[int(np.argmin(units))] = True
+    if is_val.all():
+        is_val[int(np.argmax(units))] = False
+    return is_val
+
+
+def log_split(n_train: int, n_val: int, val_fraction: float, what: str = "") -> None:
+    logger.info(
+        "split %s%s documents: %s train, %s val (val_fraction %.3f)",
+        what,
+        fmt_int(n_train + n_val),
+        fmt_int(n_train),
+        fmt_int(n_val),
+        val_fraction,
+    )
 
 
 def select_subset(docs: Sequence[Document], max_mb: float, salt: str = "subset") -> list[Document]:
@@ -193,19 +241,9 @@ def select_subset(docs: Sequence[Document], max_mb: float, salt: str = "subset")
     subset of the stdlib samples the whole library instead of only `__future__` to `ast`.
     The document that crosses the budget is included: the subset is never empty.
     """
-    if max_mb < 0:
-        raise DataError(f"max_corpus_mb must be >= 0 (0 = whole corpus), got {max_mb}")
-    if max_mb == 0:
-        return list(docs)
-    budget = int(max_mb * 1e6)
-    order = sorted(range(len(docs)), key=lambda i: stable_unit(docs[i].id, salt))
-    chosen, total = set(), 0
-    for i in order:
-        if total >= budget:
-            break
-        chosen.add(i)
-        total += docs[i].nbytes
-    return [d for i, d in enumerate(docs) if i in chosen]
+    sizes = np.array([d.nbytes for d in docs], dtype=np.int64)
+    mask = subset_mask(units([d.id for d in docs], salt), sizes, max_mb)
+    return [d for d, keep in zip(docs, mask, strict=True) if keep]
 
 
 def split_documents(
@@ -218,27 +256,8 @@ def split_documents(
     documents both sides are guaranteed non-empty: the lowest-hash document is moved to val,
     or the highest-hash one to train, when the fraction alone leaves a side empty.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if len(docs) < 2:
-        raise DataError(
-            f"the corpus has {len(docs)} document(s); at least 2 are needed to hold one out for "
-            "validation (use several files, JSONL lines, or separate documents in a text file "
-            "with the eos token)"
-        )
-    units = [stable_unit(d.id, "val") for d in docs]
-    is_val = [u < val_fraction for u in units]
-    if not any(is_val):
-        is_val[min(range(len(docs)), key=units.__getitem__)] = True
-    if all(is_val):
-        is_val[max(range(len(docs)), key=units.__getitem__)] = False
+    is_val = split_mask(units([d.id for d in docs], "val"), val_fraction)
     train = [d for d, v in zip(docs, is_val, strict=True) if not v]
     val = [d for d, v in zip(docs, is_val, strict=True) if v]
-    logger.info(
-        "split %s documents: %s train, %s val (val_fraction %.3f)",
-        fmt_int(len(docs)),
-        fmt_int(len(train)),
-        fmt_int(len(val)),
-        val_fraction,
-    )
+    log_split(len(train), len(val), val_fraction)
     return train, val

@@ -6,6 +6,9 @@ them meaning). An epoch's order is recomputed from a generator seeded by `epoch_
 epoch)`, a fixed integer mix, so it is identical on every machine. Batches flow across epoch
 boundaries (no partial batches), and the position counts sequences, so a state loads under a
 different batch size.
+
+A blend (a dataset with `segments`) draws each sequence's source by Megatron's rule instead
+(`blend.BlendSampler`); its state adds the sequences drawn from each source.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyperloom.data.blend import BlendSampler
 from hyperloom.data.dataset import TokenDataset
 from hyperloom.data.errors import DataError, fmt_int
 
@@ -68,6 +72,8 @@ class ResumableLoader:
                 self.num_sequences,
                 dataset.name,
             )
+        segments = getattr(dataset, "segments", None)
+        self.blend = BlendSampler(segments, seq_len, self.seed, shuffle) if segments else None
         self.epoch = 0
         self.index = 0  # position within the current epoch's order
         self._order: np.ndarray | None = None
@@ -90,6 +96,8 @@ class ResumableLoader:
 
     def _next_indices(self) -> np.ndarray:
         """The next batch_size sequence indices in the epochs' orders (advances the state)."""
+        if self.blend is not None:
+            return self.blend.take(self.batch_size)
         picked: list[np.ndarray] = []
         need = self.batch_size
         while need > 0:
@@ -119,6 +127,7 @@ class ResumableLoader:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
+            **({"blend": self.blend.state_dict()} if self.blend is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -145,13 +154,18 @@ class ResumableLoader:
                 self.batch_size,
                 state["batch_size"],
             )
+        if self.blend is not None:
+            self.blend.load_state_dict(state.get("blend"))
         self.epoch, self.index = epoch, index
 
 
 def val_batches(
     dataset: TokenDataset, batch_size: int, seq_len: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `n_batches` full batches in order (fewer if the split is small).
+    """`n_batches` full batches of sequences spread evenly over the split (fewer if it is
+    small): the first batches alone would measure the alphabetically first held-out files
+    (the standard library's first 16k validation tokens are docstring-heavy `abc.py`, 4.45
+    bytes per token against 3.73 for the whole split).
 
     Evaluating the same fixed batches every time makes validation losses comparable across
     steps and runs. Raises DataError if not even one batch fits.
@@ -170,8 +184,17 @@ def val_batches(
         logger.warning(
             "%s split fills only %d of the %d requested batches", dataset.name, available, n_batches
         )
+    segments = getattr(dataset, "segments", None)  # a blend: the mix, in each source's order
+    blend = BlendSampler(segments, seq_len, seed=0, shuffle=False) if segments else None
+    count = min(n_batches, available)
+    # sequence k * (sequences / wanted): distinct, in order, the split's whole length apart
+    spread = np.arange(count * batch_size, dtype=np.int64) * dataset.num_sequences(seq_len)
+    spread //= count * batch_size
     out = []
-    for b in range(min(n_batches, available)):
-        idx = np.arange(b * batch_size, (b + 1) * batch_size, dtype=np.int64)
+    for b in range(count):
+        if blend is not None:
+            idx = blend.take(batch_size)
+        else:
+            idx = spread[b * batch_size : (b + 1) * batch_size]
         out.append(_split(dataset.windows(idx, seq_len)))
     return out

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hyperloom.data.corpus import Document, stable_unit
+from hyperloom.data.corpus import Document, budget_mask, units
 from hyperloom.data.errors import DataError, fmt_int
 
 logger = logging.getLogger("hyperloom.data")
@@ -93,16 +93,15 @@ def tokenizer_file(path: str | Path) -> Path:
 
 
 def _training_texts(docs: Sequence[Document], cap_mb: float) -> tuple[list[str], int]:
-    """A deterministic subset of about `cap_mb` MB, sampled across the whole corpus."""
-    budget = int(cap_mb * 1e6)
-    order = sorted(docs, key=lambda d: stable_unit(d.id, "tokenizer"))
-    texts, total = [], 0
-    for d in order:
-        if total >= budget:
-            break
-        texts.append(d.text)
-        total += d.nbytes
-    return texts, total
+    """A deterministic subset of about `cap_mb` MB, sampled across the whole corpus, in the
+    order of its hash."""
+    if not docs:
+        return [], 0
+    keys = units([d.id for d in docs], "tokenizer")
+    sizes = np.array([d.nbytes for d in docs], dtype=np.int64)
+    chosen = np.flatnonzero(budget_mask(keys, sizes, int(cap_mb * 1e6)))
+    chosen = chosen[np.argsort(keys[chosen], kind="stable")]
+    return [docs[i].text for i in chosen], int(sizes[chosen].sum())
 
 
 def train_bpe(
@@ -157,18 +156,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def encode_documents(tok: Tokenizer, docs: Sequence[Document], chunk_docs: int = 512) -> np.ndarray:
-    """Tokenize and pack documents into one 1-D array, each document followed by eos.
+def encode_texts(tok: Tokenizer, texts: Sequence[str]) -> np.ndarray:
+    """Tokenize texts and pack them into one 1-D array, each followed by eos."""
+    return pack(tok.encode_batch(texts), tok.eos_id, token_dtype(tok.vocab_size))
 
-    Works in chunks so only one chunk's Python id lists are alive at a time; a 30 MB corpus
-    as Python ints would otherwise cost gigabytes.
-    """
-    dtype = token_dtype(tok.vocab_size)
-    parts: list[np.ndarray] = []
-    eos = np.array([tok.eos_id], dtype=dtype)
-    for i in range(0, len(docs), chunk_docs):
-        chunk = [d.text for d in docs[i : i + chunk_docs]]
-        for ids in tok.encode_batch(chunk):
-            parts.append(np.asarray(ids, dtype=dtype))
-            parts.append(eos)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+def pack(id_lists: Sequence[Sequence[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """Token id lists joined into one array of `dtype`, each followed by `eos_id`."""
+    out = np.empty(sum(len(ids) for ids in id_lists) + len(id_lists), dtype=dtype)
+    at = 0
+    for ids in id_lists:
+        out[at : at + len(ids)] = ids
+        at += len(ids)
+        out[at] = eos_id
+        at += 1
+    return out

@@ -39,6 +39,8 @@ def make_cfg(tmp: Path, **overrides) -> types.SimpleNamespace:
         val_fraction=0.1,
         max_corpus_mb=0.5,
         cache_dir=str(tmp / "cache"),
+        workers=0,
+        blend=[],
     )
     cfg.update(overrides)
     return types.SimpleNamespace(**cfg)
@@ -121,8 +123,8 @@ def test_second_build_reuses_cache_without_retraining(stdlib_build, monkeypatch)
         raise AssertionError("cache hit must not retrain or retokenize")
 
     monkeypatch.setattr(build_mod, "train_bpe", forbidden)
-    monkeypatch.setattr(build_mod, "encode_documents", forbidden)
-    monkeypatch.setattr(build_mod, "load_documents", forbidden)
+    monkeypatch.setattr(build_mod, "take_census", forbidden)  # reads the corpus
+    monkeypatch.setattr(build_mod, "encode_sources", forbidden)
     second = build_data(cfg, VOCAB)
     assert second.corpus_info["cache_hit"]
     assert np.array_equal(second.train.tokens, first.train.tokens)
@@ -189,8 +191,8 @@ def test_user_tokenizer_file(stdlib_build, tmp_path):
 
 
 def test_error_unknown_source_and_missing_path(tmp_path):
-    with pytest.raises(DataError, match=r"unknown data source 'parquet'; allowed: stdlib"):
-        build_data(make_cfg(tmp_path, source="parquet"), VOCAB)
+    with pytest.raises(DataError, match=r"unknown data source 'hdf5'; allowed: stdlib"):
+        build_data(make_cfg(tmp_path, source="hdf5"), VOCAB)
     with pytest.raises(DataError, match=r"data path '.*nope' does not exist"):
         build_data(make_cfg(tmp_path, source="text", paths=[str(tmp_path / "nope")]), VOCAB)
 
@@ -334,8 +336,11 @@ def test_val_batches_fixed_and_truncated():
     batches = val_batches(ds, batch_size=3, seq_len=4, n_batches=5)
     assert len(batches) == 3
     assert batches[1][0][:, 0].tolist() == [12, 16, 20]
+    # fewer batches than fit: spread over the whole split, the same ones every time
+    two = val_batches(ds, batch_size=3, seq_len=4, n_batches=2)
+    assert [b[0][:, 0].tolist() for b in two] == [[0, 4, 12], [20, 24, 32]]  # k * 10 // 6
     again = val_batches(ds, batch_size=3, seq_len=4, n_batches=2)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, batches[:2], strict=True))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, two, strict=True))
 
 
 def test_env_cache_dir(tmp_path, monkeypatch):

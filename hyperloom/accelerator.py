@@ -96,6 +96,13 @@ class Accelerator:
             return int(mod.max_memory_allocated(self.index))
         return peak_rss_bytes()
 
+    def peak_memory_measures(self) -> str:
+        """What `peak_memory_bytes` measures here, for reports that name their figure."""
+        mod = _module(self.kind)
+        if mod is not None and hasattr(mod, "max_memory_allocated"):
+            return f"{self.kind} memory allocated by tensors"
+        return "process resident set (RSS)"
+
     def current_memory_bytes(self) -> int:
         """Allocated device memory now; on CPU the process's resident set size."""
         mod = _module(self.kind)

@@ -93,6 +93,8 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
     overrides = list(args.overrides)
     if getattr(args, "run_dir", None):
         overrides += ["--logging.run_dir", args.run_dir]
+    if getattr(args, "profile", None):
+        overrides += ["--logging.profile", args.profile]
     return args.config, overrides
 
 
@@ -136,7 +138,8 @@ def _train(cfg: JobConfig) -> int:
 
     out = _console()
     trainer = Trainer(cfg)
-    result = trainer.run()
+    # the planner's self-check (a one-time calibration) waits until the result is shown
+    result = trainer.run(defer_self_check=True)
     if not trainer.mesh.is_main:
         return 0
     summary = result.summary
@@ -150,10 +153,11 @@ def _train(cfg: JobConfig) -> int:
         )
         text, stats = complete(loaded, lg.sample_prompt, lg.sample_tokens, seed=cfg.train.seed)
         summary["sample"] = lg.sample_prompt + text
-        write_summary(result.run_dir, summary)
         out.rule("sample")
         out.print(lg.sample_prompt + text, markup=False, highlight=False)
         out.rule()
+    trainer.add_self_check(summary)
+    write_summary(result.run_dir, summary)
     out.print(summary_table(summary))
     out.print(
         f"run directory: {result.run_dir}  (metrics.jsonl, summary.json, loss_curve.png, "
@@ -360,6 +364,13 @@ def _runtime_memory(micro_batch: int, policy: str) -> dict:
     return measure_runtime_memory(micro_batch, policy)
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from hyperloom.data.cli import prepare  # torch: only once the config is valid
+
+    _at_least("--nproc", args.nproc, 1, "processes the layout is validated for")
+    return prepare(load_config(*_split_config_args(args), world_size=args.nproc), _console())
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     _at_least("--nproc", args.nproc, 1, "processes the layout is validated for")
     cfg = load_config(*_split_config_args(args), world_size=args.nproc)
@@ -404,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun restarts of the process group after a failure or a watchdog exit; "
         "each resumes from the newest committed checkpoint",
     )
+    p.add_argument(
+        "--profile",
+        metavar="STEPS",
+        help="profile these training steps, START-END or STEP (= --logging.profile): "
+        "Chrome traces in RUN_DIR/profile (docs/tracking.md)",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
@@ -442,6 +459,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_parser(sub)
     add_plan_parser(sub, runtime_memory=_runtime_memory)
     add_drill_parser(sub)
+
+    p = sub.add_parser("data", help="data caches")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    q = dsub.add_parser(
+        "prepare", help="read, split and tokenize a job's corpus into its cache ahead of training"
+    )
+    _add_config_args(q)
+    q.add_argument("--nproc", type=int, default=None, help="validate for N processes")
+    q.set_defaults(func=cmd_data_prepare)
 
     p = sub.add_parser("config", help="configuration")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")

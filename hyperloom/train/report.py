@@ -4,7 +4,7 @@ The trainer calls a `Reporter`; nothing in the loop formats text. Files written 
 
 - `metrics.jsonl`: one JSON object per line, `"event": "train"` every log interval (step,
   loss, lr, grad_norm, tokens_per_s, mfu, memory_gb, elapsed_s) and `"event": "eval"` per
-  validation (step, val_loss);
+  validation (step, val_loss, and val_bpb: bits per byte of the held-out text);
 - `summary.json`: the final numbers of the run;
 - `loss_curve.png`: training and validation loss against step.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -30,10 +31,33 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from hyperloom.data.progress import logging_console
 from hyperloom.resilience.events import read_jsonl, repair_tail
 from hyperloom.resilience.lock import RunDirError
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("hyperloom.train")
+
+
+def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
+    """Cross-entropy per token (nats) as bits per byte of text: comparable across tokenizers
+    (a larger vocabulary lowers the loss per token only by covering more bytes per token)."""
+    return loss_nats / math.log(2) / bytes_per_token
+
+
+def text_bytes_per_token(tokenizer: Any, labels: Iterable[torch.Tensor]) -> float | None:
+    """UTF-8 bytes per scored token of validation label batches: each row decoded whole
+    (ignored labels, < 0, dropped; special tokens such as eos decode to no bytes and still
+    count as tokens, the usual convention). None when nothing is scored or decodes to text."""
+    tokens = nbytes = 0
+    for batch in labels:
+        for row in batch.reshape(-1, batch.shape[-1]).tolist():
+            ids = [i for i in row if i >= 0]
+            tokens += len(ids)
+            nbytes += len(tokenizer.decode(ids).encode("utf-8"))
+    return nbytes / tokens if tokens and nbytes else None
 
 
 @contextlib.contextmanager
@@ -44,17 +68,6 @@ def run_dir_writes(path: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise RunDirError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
-def _logging_console() -> Console:
-    """The console the log lines go to, so the progress bar and log lines share one screen
-    region instead of overwriting each other."""
-    from rich.logging import RichHandler
-
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, RichHandler):
-            return handler.console
-    return Console(stderr=True)
 
 
 class Reporter:
@@ -84,7 +97,8 @@ class Reporter:
                 repair_tail(self.metrics_path)
                 self.history = read_jsonl(self.metrics_path)
             self._metrics = self.metrics_path.open("a" if append else "w")
-        self.console = console or _logging_console()
+        # the log lines' console: the bar and the lines share one screen region
+        self.console = console or logging_console()
         if progress:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -140,11 +154,24 @@ class Reporter:
             record["memory_gb"],
         )
 
-    def eval_metrics(self, step: int, val_loss: float) -> None:
+    def eval_metrics(
+        self, step: int, val_loss: float, bytes_per_token: float | None = None
+    ) -> None:
+        """A validation; with the held-out batches' bytes per token, also in bits per byte."""
         if not self.enabled:
             return
-        self._write({"event": "eval", "step": step, "val_loss": val_loss})
-        log.info("step %d | validation loss %.4f", step, val_loss)
+        record: dict[str, Any] = {"event": "eval", "step": step, "val_loss": val_loss}
+        if bytes_per_token:
+            record["val_bpb"] = bits_per_byte(val_loss, bytes_per_token)
+            log.info(
+                "step %d | validation loss %.4f | %.3f bits per byte",
+                step,
+                val_loss,
+                record["val_bpb"],
+            )
+        else:
+            log.info("step %d | validation loss %.4f", step, val_loss)
+        self._write(record)
 
     def event(self, record: dict[str, Any]) -> None:
         """Any other record (resilience events: anomaly, rollback, ...), written at once."""
@@ -175,6 +202,11 @@ class Reporter:
             ax.plot(*zip(*evals, strict=True), "o-", label="validation loss", color="tab:orange")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
+        scale = [r["val_bpb"] / r["val_loss"] for r in self.history if r.get("val_bpb")]
+        if scale:  # the same curves read in bits per byte on the right
+            k = scale[-1]
+            right = ax.secondary_yaxis("right", functions=(lambda x: x * k, lambda y: y / k))
+            right.set_ylabel("bits per byte (validation text)")
         ax.set_title(f"hyperloom: {self.run_dir.name}")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -202,20 +234,71 @@ def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
     return path
 
 
+# summary.json keys the table leaves out (the JSON keeps them): the planner's internals,
+# and the per-rank list when it repeats the one figure
+_TABLE_HIDDEN = frozenset(
+    {
+        "sample",
+        "peak_memory_measures",
+        "peak_memory_gb_per_rank",
+        "predicted_step_s",
+        "measured_step_s",
+        "step_time_error",
+        "predicted_peak_memory_gb",
+        "measured_peak_memory_gb",
+        "memory_error",
+        "predicted_live_memory_gb",
+        "predicted_memory_rank",
+    }
+)
+_TABLE_LABELS = {
+    "initial_val_bpb": "initial val bits per byte",
+    "final_val_bpb": "final val bits per byte",
+    "tokens_per_s": "tokens per s",
+    "mfu": "MFU",
+}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _versus(predicted: float, measured: float, unit: str) -> str:
+    """'predicted X / measured Y unit (+e%)', the planner beside the run."""
+    return f"{predicted:.3g} / {measured:.3g} {unit} ({predicted / measured - 1:+.0%})"
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
-    """The end-of-run table printed on the terminal."""
+    """The end-of-run table printed on the terminal: one measured peak-memory figure, named
+    for what it measures, and the planner's predictions as predicted / measured pairs."""
     table = Table(title="hyperloom run summary", show_header=False, title_style="bold")
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-
-    def fmt(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-        if isinstance(value, int):
-            return f"{value:,}"
-        return str(value)
-
+    per_rank = summary.get("peak_memory_gb_per_rank")
     for key, value in summary.items():
-        if key != "sample" and value is not None and not isinstance(value, dict):
-            table.add_row(key.replace("_", " "), fmt(value))
+        if key in _TABLE_HIDDEN or key.startswith("plan_") or value is None:
+            continue
+        if isinstance(value, dict):
+            continue
+        if key == "peak_memory_gb":
+            what = summary.get("peak_memory_measures", "")
+            label = f"peak memory, {what}, GB" if what else "peak memory, GB"
+            if per_rank and len(per_rank) > 1:
+                label, value = f"peak memory of the largest rank, {what}, GB", max(per_rank)
+            table.add_row(label, _fmt(value))
+        else:
+            table.add_row(_TABLE_LABELS.get(key, key.replace("_", " ")), _fmt(value))
+    step_p, step_m = summary.get("predicted_step_s"), summary.get("measured_step_s")
+    if step_p and step_m:
+        table.add_row("planner step time, predicted / measured", _versus(step_p, step_m, "s"))
+    mem_p, mem_m = summary.get("predicted_peak_memory_gb"), summary.get("measured_peak_memory_gb")
+    if mem_p and mem_m:
+        table.add_row(
+            "planner memory above the start, predicted / measured",
+            _versus(mem_p, mem_m, "GB"),
+        )
     return table

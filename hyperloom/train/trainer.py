@@ -30,11 +30,13 @@ from hyperloom.accelerator import (
 )
 from hyperloom.config import ConfigError, JobConfig, dumps_toml, is_auto, pipeline_microbatches
 from hyperloom.data import DataBundle, ResumableLoader, build_data, val_batches
+from hyperloom.data.blend import describe_mix
 from hyperloom.data.multimodal import (
     MultimodalLoader,
     build_multimodal_data,
     multimodal_val_batches,
 )
+from hyperloom.data.sft_packing import SFTLoader, sft_val_batches
 from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.freeze import freeze_problems
@@ -44,7 +46,14 @@ from hyperloom.parallel.context_parallel import context_shard
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.train.optim import build_optimizer, lr_at
-from hyperloom.train.report import Reporter, run_dir_writes, write_summary
+from hyperloom.train.profile import StepProfiler
+from hyperloom.train.report import (
+    bits_per_byte,
+    run_dir_writes,
+    text_bytes_per_token,
+    write_summary,
+)
+from hyperloom.train.sinks import TrackedReporter, check_sinks
 
 log = logging.getLogger("hyperloom.train")
 
@@ -64,6 +73,8 @@ class Trainer:
     """One training run; implements resilience's `GuardedRun` for its `Guard`."""
 
     def __init__(self, cfg: JobConfig, data: DataBundle | None = None):
+        cfg = ckpt.prepare_init_from(cfg)  # a Hugging Face init_from: checked, its tokenizer
+        check_sinks(cfg.logging)  # a sink's package missing: one line, before anything is built
         self.cfg = cfg
         t = cfg.train
         self.run_dir = Path(cfg.logging.run_dir)
@@ -108,6 +119,8 @@ class Trainer:
         make_loader, make_val = (  # a vlm's batches hold ImageTokens (models.vlm)
             (MultimodalLoader, multimodal_val_batches)
             if cfg.model.family == "vlm"
+            else (SFTLoader, sft_val_batches)  # packed conversations, answer-only labels
+            if cfg.data.source == "sft"
             else (ResumableLoader, val_batches)
         )
         self.loader = make_loader(
@@ -118,6 +131,12 @@ class Trainer:
         self.context = context_shard(self.mesh, cfg.parallel.cp_comm)
         val = make_val(self.data.val, self.rows, cfg.data.seq_len, t.eval_batches)
         self.val = [self._context_part(x, y) for x, y in val]
+        # bits per byte beside the loss: the held-out batches' text bytes per token
+        self.val_bytes_per_token = (
+            None
+            if cfg.model.family == "vlm"
+            else text_bytes_per_token(self.data.tokenizer, (y for _, y in val))
+        )
         fam = family(cfg.model.family)
         self.n_params = fam.param_count(cfg.model)
         self.flops_per_token = fam.training_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -144,7 +163,8 @@ class Trainer:
             )
             bundle = DataBundle(mm.tokenizer, mm.train, mm.val, mm.info)
         else:
-            bundle = build_data(self.cfg.data, m.vocab_size)
+            progress = self.cfg.logging.progress and self.mesh.is_main
+            bundle = build_data(self.cfg.data, m.vocab_size, progress=progress)
         if self.mesh.world_size > 1 and self.mesh.is_main:
             dist.barrier()
         return bundle
@@ -261,7 +281,7 @@ class Trainer:
         source = self.cfg.checkpoint.init_from
         if not source or self.resumed_from is not None:
             return None
-        report = ckpt.load_initial_weights(self.pm, source)
+        report = ckpt.load_initial_weights(self.pm, source, self.cfg.model)
         log.info(
             "initialised %d tensors from %s; %d kept their init (%s)",
             report["loaded"],
@@ -463,10 +483,20 @@ class Trainer:
             log.warning("planner self-check skipped: %s", exc)
             return {"plan_error": str(exc)}
 
+    def _bits_per_byte(self, initial: float | None, final: float | None) -> dict[str, float]:
+        """The summary's validation losses in bits per byte (text families)."""
+        bpt = self.val_bytes_per_token
+        if not bpt:
+            return {}
+        named = {"initial_val_bpb": initial, "final_val_bpb": final}
+        return {k: bits_per_byte(v, bpt) for k, v in named.items() if v is not None}
+
     def _mfu(self, tokens_per_s: float, peak_tflops: float) -> float:
         return tokens_per_s * self.flops_per_token / (peak_tflops * 1e12)
 
-    def run(self) -> RunResult:
+    def run(self, defer_self_check: bool = False) -> RunResult:
+        """Train to `train.steps` (or resume there) and return the summary; with
+        `defer_self_check` the planner's self-check is left to `add_self_check`."""
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
         self.maybe_resume()
         initialised = self.maybe_init_from()
@@ -490,8 +520,9 @@ class Trainer:
             # checkpoints this one may prune, and stay if this one fails
             with run_dir_writes(self.run_dir / "summary.json"):
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
-        reporter = Reporter(
-            self.run_dir,
+        reporter = TrackedReporter(  # metrics.jsonl, and logging.sinks' TensorBoard / W&B
+            cfg,
+            self.step,
             t.steps,
             progress=lg.progress,
             append=self.resumed_from is not None,
@@ -510,7 +541,7 @@ class Trainer:
         first_step = self.step
         initial_val = self.evaluate() if first_step == 0 else None
         if initial_val is not None:
-            reporter.eval_metrics(0, initial_val)
+            reporter.eval_metrics(0, initial_val, self.val_bytes_per_token)
         self.acc.reset_peak_memory()
         wall_start = time.perf_counter()
         window = _Window(self.dp_mean)
@@ -518,12 +549,19 @@ class Trainer:
         train_time = 0.0
         reporter.start(first_step)
         self.guard.attach(reporter.event)
+        blend = getattr(self.loader, "blend", None)  # a weighted blend: the planned mix
+        if blend is not None and main:
+            mix = blend.plan(t.steps * self.tokens_per_step // cfg.data.seq_len)
+            log.info("%s", describe_mix(mix, f"planned for {t.steps} steps"))
+            reporter.event({"event": "data_mix", "step": self.step, "planned": mix})
         a2a = [0.0, 0.0, 0]  # expert all-to-all: exposed s, in flight s, steps since logged
+        profiler = StepProfiler(lg, self.run_dir, self.acc.kind, self.mesh.global_rank, self.step)
         try:
             self.guard.start(self.step)  # restart-loop guard, watchdog
             while self.step < end_step:
                 overlap.STATS.reset()
-                loss, grad_norm = self.train_step()
+                with profiler.step(self.step + 1):  # logging.profile's steps: torch.profiler
+                    loss, grad_norm = self.train_step()
                 a2a = [
                     a2a[0] + overlap.STATS.exposed_s,
                     a2a[1] + overlap.STATS.in_flight_s,
@@ -559,16 +597,17 @@ class Trainer:
                 self.guard.after_step()  # rollback or stop, drills, watchdog heartbeat
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < end_step:
                     val_loss = self.evaluate()
-                    reporter.eval_metrics(self.step, val_loss)
+                    reporter.eval_metrics(self.step, val_loss, self.val_bytes_per_token)
                     window.restart()  # validation is not training time
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < end_step:
                     self.save(last_loss)
                     window.restart()
             val_loss = self.evaluate()
-            reporter.eval_metrics(self.step, val_loss)
+            reporter.eval_metrics(self.step, val_loss, self.val_bytes_per_token)
             self.guard.check_final(self.step, val_loss)  # a run never ends "done" with NaN
         finally:
+            profiler.close()  # a window the loop left early: what it recorded
             self.guard.close()  # waits for an in-flight save
             reporter.close()
         self._stop_on_save_error(self.guard.save_error)  # that save was lost: no final one
@@ -588,14 +627,19 @@ class Trainer:
             "initial_val_loss": initial_val,
             "final_train_loss": last_loss,
             "final_val_loss": val_loss,
+            **self._bits_per_byte(initial_val, val_loss),
             "tokens_per_s": tps,
             "mfu": self._mfu(tps, peak) if tps else None,
             "peak_tflops": peak,
-            "peak_memory_gb": self.acc.peak_memory_bytes() / 1e9,
+            # the training steps' high-water mark, before the final save gathers the state
+            "peak_memory_gb": train_peak / 1e9,
+            "peak_memory_measures": self.acc.peak_memory_measures(),
             "wall_time_s": time.perf_counter() - wall_start,
             "checkpoint": str(ckpt_path) if ckpt_path else None,
         }
         summary["layout"] = self.mesh.describe()
+        if blend is not None:  # the mix drawn from each source, this run and before
+            summary["data_mix"] = blend.realised()
         if initialised is not None:
             summary["initialised_from"] = initialised
         if self.host_allocator is not None:
@@ -617,13 +661,36 @@ class Trainer:
                     ", ".join(f"{b / 1e9:.3f}" for b in whole),
                 )
         steps_run = self.step - first_step
-        if main and lg.self_check != "off" and steps_run:
-            summary.update(self._self_check(train_time / steps_run, above_baseline))
+        self._measured = (train_time / steps_run, above_baseline) if steps_run else None
         if main:
-            write_summary(self.run_dir, summary)
             if lg.plot:
                 reporter.plot()
+            if not defer_self_check:
+                self.add_self_check(summary)
+            write_summary(self.run_dir, summary)
         return RunResult(summary, self.run_dir)
+
+    def add_self_check(self, summary: dict[str, Any]) -> None:
+        """The planner's predictions beside this run's measured step time and memory, into
+        `summary` (main rank; `logging.self_check`). The first run on a machine calibrates
+        the planner (about a minute, cached), announced before it starts; the CLI calls this
+        after the sample, so that the training result is not kept waiting."""
+        from hyperloom.data.build import cache_root
+        from hyperloom.planner.selfcheck import profile_path
+
+        cfg = self.cfg
+        if cfg.logging.self_check == "off" or self._measured is None:
+            return
+        key = (self.acc.kind, cfg.precision.dtype, self.mesh.world_size, cfg.train.host_allocator)
+        if (
+            cfg.logging.self_check == "auto"
+            and not profile_path(cache_root(cfg.data), *key).exists()
+        ):
+            log.info(
+                "planner self-check: calibrating this machine once (about a minute; cached "
+                "for later runs; --logging.self_check off skips it)"
+            )
+        summary.update(self._self_check(*self._measured))
 
 
 class _Window:

@@ -110,8 +110,14 @@ def test_device_errors_are_user_errors(cli, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, tiny_job_args, cli):
+    from hyperloom.planner.hardware import get_profile, save_profile
+
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    args = tiny_job_args(run_dir, train__steps=12, logging__sample_tokens=8)
+    # a saved profile: the self-check predicts without calibrating this machine
+    profile = save_profile(get_profile("h100"), run_dir.parent / "h100.json")
+    args = tiny_job_args(
+        run_dir, train__steps=12, logging__sample_tokens=8, logging__self_check=str(profile)
+    )
     args = args[: args.index("--logging.run_dir")] + args[args.index("--logging.run_dir") + 2 :]
     result = cli("train", "--run-dir", str(run_dir), *args)
     return run_dir, result
@@ -130,6 +136,24 @@ def test_train_prints_summary_and_sample(trained_run):
     assert sample.splitlines()[0] in out
     assert f"run directory: {run_dir}" in out
     assert (run_dir / "checkpoints" / "step_00000012" / "model.safetensors").is_file()
+
+
+def test_summary_names_one_peak_memory_and_follows_the_sample(trained_run):
+    """The table shows one measured peak-memory figure, named for what it measures, the
+    losses in bits per byte, and the planner's predictions as predicted / measured pairs,
+    computed after the sample is shown (a first calibration must not delay it)."""
+    run_dir, result = trained_run
+    out = result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    peak_rows = [line for line in out.splitlines() if "peak memory" in line]
+    assert len(peak_rows) == 1, peak_rows
+    assert summary["peak_memory_measures"] in peak_rows[0]  # e.g. "process resident set (RSS)"
+    assert f"{summary['peak_memory_gb']:,.4g}" in peak_rows[0]
+    assert "final val bits per byte" in out and f"{summary['final_val_bpb']:,.4g}" in out
+    step_row = next(line for line in out.splitlines() if "planner step time" in line)
+    p, m = summary["predicted_step_s"], summary["measured_step_s"]
+    assert f"{p:.3g} / {m:.3g} s" in step_row
+    assert out.index(summary["sample"].splitlines()[0]) < out.index("planner step time")
 
 
 def test_generate_from_run_dir(trained_run, cli):

@@ -126,6 +126,27 @@ def test_metrics_jsonl(trained):
     assert evals[-1]["val_loss"] == result.summary["final_val_loss"]
 
 
+def test_validation_in_bits_per_byte(trained):
+    """Every validation is also reported in bits per byte: the loss over ln 2 and over the
+    UTF-8 bytes per token of exactly the batches it was measured on."""
+    from hyperloom.data import build_data, val_batches
+
+    cfg, result = trained
+    data = build_data(cfg.data, cfg.model.vocab_size)
+    rows = val_batches(
+        data.val, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.train.eval_batches
+    )
+    labels = torch.cat([y for _, y in rows])  # (batches x rows, seq)
+    nbytes = sum(len(data.tokenizer.decode(r).encode()) for r in labels.tolist())
+    per_token = nbytes / labels.numel()
+    assert 1.0 < per_token < 4.0  # the 512-token BPE: a few bytes per token
+    for r in read_metrics(result.run_dir, "eval"):
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2) / per_token, rel=1e-9)
+    s = result.summary
+    assert s["final_val_bpb"] == pytest.approx(s["final_val_loss"] / math.log(2) / per_token)
+    assert s["initial_val_bpb"] > s["final_val_bpb"]
+
+
 def test_summary_and_run_dir_contents(trained):
     cfg, result = trained
     summary = json.loads((result.run_dir / "summary.json").read_text())

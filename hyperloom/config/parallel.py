@@ -63,6 +63,26 @@ class ParallelConfig:
         "0 = DDP; 1 = Adam state + master weights sharded over dp; 3 = FSDP2 (all sharded)",
         choices=[0, 1, 3],
     )
+    # FSDP2's mixed precision (`parallel.data_parallel`). fp32 by default: the gathers then
+    # carry the FP32 master weights and autocast casts per op, which keeps zero = 3 equal to
+    # one process to FP32 rounding; bf16 halves the gathers but runs whole blocks, residual
+    # stream included, in BF16, a change of numerics to opt into.
+    fsdp_param_dtype: str = knob(
+        "fp32",
+        "zero = 3: dtype FSDP2 all-gathers the parameters in and computes with (bf16 halves "
+        "the gathers; the sharded master weights and Adam state stay fp32)",
+        choices=["fp32", "bf16"],
+    )
+    fsdp_reduce_dtype: str = knob(
+        "fp32",
+        "zero = 3: dtype of the gradients' reduce-scatter (and HSDP's all-reduce)",
+        choices=["fp32", "bf16"],
+    )
+    dp_replicate: int = knob(
+        1,
+        "zero = 3: HSDP replica groups; each shards the parameters over dp / dp_replicate "
+        "(x cp) ranks, and the groups all-reduce the sharded gradients (1 = plain FSDP2)",
+    )
     order: str = knob("pp,dp,cp,tp", "rank order of the mesh, outermost first (tp innermost)")
     pp_schedule: str = knob(
         "1f1b",
@@ -83,7 +103,7 @@ class ParallelConfig:
     def invalid_degrees(self) -> list[str]:
         """Names of the degrees below 1 (the other checks need them all >= 1)."""
         degrees = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
-        degrees["etp"] = self.etp
+        degrees["etp"], degrees["dp_replicate"] = self.etp, self.dp_replicate
         return [k for k, v in degrees.items() if v < 1]
 
     def problems(self, job: JobConfig, world_size: int | None = None) -> list[str]:
@@ -99,7 +119,7 @@ class ParallelConfig:
             ]
         p = _tensor_parallel_problems(job) + _pipeline_problems(job)
         p += _context_parallel_problems(job) + _overlap_problems(job)
-        p += _expert_tensor_parallel_problems(job)
+        p += _expert_tensor_parallel_problems(job) + _fsdp_problems(job)
         world = world_size_from_env() if world_size is None else world_size
         dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         product = self.dp * self.tp * self.pp * self.cp
@@ -354,6 +374,48 @@ def _expert_tensor_parallel_problems(job: JobConfig) -> list[str]:
     for what, (bad, why) in refused.items():
         if bad:
             out.append(f"parallel.etp = {etp} with {what} is not supported: {why}")
+    return out
+
+
+def _fsdp_problems(job: JobConfig) -> list[str]:
+    """FSDP2's mixed precision and HSDP (`hyperloom.parallel.data_parallel`): zero = 3 only;
+    BF16 gathers compute in BF16, which an FP32 job rules out; dp_replicate splits dp into
+    replica groups that each shard over the rest of dp x cp."""
+    par, out = job.parallel, []
+    dtypes = ("fsdp_param_dtype", "fsdp_reduce_dtype")
+    named = [f"parallel.{k} = '{getattr(par, k)}'" for k in dtypes if getattr(par, k) != "fp32"]
+    if par.dp_replicate > 1:
+        named.append(f"parallel.dp_replicate = {par.dp_replicate}")
+    if named and par.zero != 3:
+        return [
+            f"{' and '.join(named)}: FSDP2 settings, which need parallel.zero = 3 (got zero = "
+            f"{par.zero})"
+        ]
+    if par.fsdp_param_dtype == "bf16" and job.precision.dtype == "fp32":
+        out.append(
+            "parallel.fsdp_param_dtype = 'bf16' computes with BF16 parameters, which "
+            "precision.dtype = 'fp32' rules out; set precision.dtype = 'bf16' or "
+            "fsdp_param_dtype = 'fp32'"
+        )
+    r = par.dp_replicate
+    if r == 1:
+        return out
+    if par.dp % r:
+        out.append(
+            f"parallel.dp_replicate ({r}) does not divide parallel.dp ({par.dp}): HSDP splits "
+            f"dp into dp_replicate replica groups of equal size"
+        )
+    elif par.dp * par.cp == r:
+        out.append(
+            f"parallel.dp_replicate ({r}) = dp x cp ({par.dp} x {par.cp}) leaves each replica "
+            f"one rank to shard over; use parallel.zero = 0 (DDP) or a smaller dp_replicate"
+        )
+    if par.ep > 1:
+        out.append(
+            f"parallel.dp_replicate = {r} with parallel.ep = {par.ep} is not supported: HSDP "
+            f"of expert banks sharded over their expert-data-parallel group is not built yet; "
+            f"use dp_replicate = 1 or ep = 1"
+        )
     return out
 
 

@@ -11,11 +11,27 @@ autograd's hooks.
 FSDP2 leaves whole the parameters no gradient reaches (a MoE router's `expert_bias`, which
 balancing moves in place after each step, on every rank alike), and shards expert banks split
 over ep over their own replicas (the expert-data-parallel group), like torchtitan.
+
+FSDP2's mixed precision (`parallel.fsdp_param_dtype`, `fsdp_reduce_dtype`; PyTorch's
+`MixedPrecisionPolicy`, as torchtitan sets it): the sharded parameters, which the optimizer
+steps, stay FP32; each block's all-gather casts its shard to the param dtype first, so BF16
+gathers move half the bytes, and the block runs on BF16 weights and BF16 inputs (module-level
+mixed precision: its activations and residual stream are BF16 too, where autocast keeps the
+residual FP32). Gradients are cast to the reduce dtype before the reduce-scatter; with FP32
+reduction they accumulate (no_sync) and land in the FP32 shards without a BF16 rounding of
+the sum over dp.
+
+HSDP (`parallel.dp_replicate`: the hybrid sharding of Zhao et al. 2023, "PyTorch FSDP", arXiv
+2304.11277) hands `fully_shard` a 2-D mesh (`ParallelMesh.submesh`): parameters sharded
+within each replica group and replicated across the groups; gradients reduce-scattered
+within a group, then all-reduced across the replicas, so each rank gathers over dp x cp /
+dp_replicate ranks instead of all of dp x cp.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +40,9 @@ from torch import nn
 from hyperloom.models.shard import restore_shards, shards_by_name
 from hyperloom.parallel.expert_parallel import ExpertParallelExperts, ExpertParallelism
 from hyperloom.parallel.mesh import ParallelMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def _reduce_each_gradient(group, bucket):  # DDP rejects the annotations as strings
@@ -52,11 +71,13 @@ def wrap_data_parallel(
     zero: int,
     experts: ExpertParallelism | None = None,
     routed: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """DDP (zero 0) or FSDP2 (zero 3) over the dp dimension; the model itself when dp = 1 or
     zero = 1 (whose optimizer does the data-parallel reduction). DDP leaves the `experts`
     (split over ep) alone: they are reduced over their own replicas; FSDP2 shards them over
-    those (`_shard_experts`).
+    those (`_shard_experts`). `mp_policy`: FSDP2's `MixedPrecisionPolicy` (`fsdp_policy`),
+    for every group it shards.
 
     `routed` (a MoE model) at dp > 2: DDP all-reduces each gradient on its own
     (`_reduce_each_gradient`) instead of each bucket's flat buffer. DDP rebuilds its buckets
@@ -88,23 +109,38 @@ def wrap_data_parallel(
         if routed and mesh.size("dcp") > 2:
             ddp.register_comm_hook(mesh.group("dcp"), _reduce_each_gradient)
         return ddp
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 replaces each parameter with a DTensor one; carry the `Shard` records over so
     # clipping and checkpoints still know which tensors are tp slices.
     shards = shards_by_name(model)
-    dp_mesh = mesh.submesh("dcp")
+    hsdp = mesh.size("dp_replicate") > 1
+    dp_mesh = mesh.submesh("dp_replicate", "dp_shard") if hsdp else mesh.submesh("dcp")
+    mp = mp_policy or MixedPrecisionPolicy()
     whole = {p for p in model.parameters() if not p.requires_grad}  # routing biases
     if experts is not None:
-        whole |= _shard_experts(model, experts, mesh.device_mesh.device_type)
+        whole |= _shard_experts(model, experts, mesh.device_mesh.device_type, mp)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, ignored_params=whole)
-    fully_shard(model, mesh=dp_mesh, ignored_params=whole)
+        fully_shard(block, mesh=dp_mesh, ignored_params=whole, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, ignored_params=whole, mp_policy=mp)
     restore_shards(model, shards)
     return model
 
 
-def _shard_experts(model: nn.Module, experts: ExpertParallelism, device_type: str) -> set:
+def fsdp_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's `MixedPrecisionPolicy` for `parallel.fsdp_param_dtype` / `fsdp_reduce_dtype`
+    ("fp32" or "bf16"); None (FSDP2's default, all FP32) when both are fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype == reduce_dtype == "fp32":
+        return None
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[reduce_dtype])
+
+
+def _shard_experts(
+    model: nn.Module, experts: ExpertParallelism, device_type: str, mp_policy: MixedPrecisionPolicy
+) -> set:
     """FSDP2 on each expert bank over the expert-data-parallel group; the sharded gradient is
     summed there and divided by the whole dp, as `ExpertParallelism.reduce_grads` makes it.
     Without that group (dp x cp = ep) nothing to shard: returns the expert parameters, to be
@@ -116,7 +152,7 @@ def _shard_experts(model: nn.Module, experts: ExpertParallelism, device_type: st
         return {model.get_parameter(n) for n in experts.names}
     data_mesh = DeviceMesh.from_group(experts.data_group, device_type)
     for bank in [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]:
-        fully_shard(bank, mesh=data_mesh)
+        fully_shard(bank, mesh=data_mesh, mp_policy=mp_policy)
         bank.set_gradient_divide_factor(experts.dp)
         bank.set_force_sum_reduction_for_comms(True)  # a sum, then / dp: gloo has no PREMUL_SUM
     return set()

@@ -208,8 +208,10 @@ class ParallelModel:
                 if groups[over] is not None:
                     dist.all_reduce(sq, group=groups[over])
             total_sq = sq if total_sq is None else total_sq + sq
-        if self.zero == 3 and self.mesh.group("dcp") is not None:
-            dist.all_reduce(total_sq, group=self.mesh.group("dcp"))
+        # HSDP: the replicas hold equal shards, so over one replica group (dp_shard is dcp
+        # without HSDP)
+        if self.zero == 3 and self.mesh.group("dp_shard") is not None:
+            dist.all_reduce(total_sq, group=self.mesh.group("dp_shard"))
         if self.mesh.group("pp") is not None:  # each pipeline rank holds other layers
             dist.all_reduce(total_sq, group=self.mesh.group("pp"))
         total = total_sq.sqrt().float()

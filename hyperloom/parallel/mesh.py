@@ -6,7 +6,10 @@ row-major over `parallel.order` (default "pp,dp,cp,tp"): tp innermost, on the fa
 pp outermost, where slow links carry least (arXiv 2104.04473 §3.3). "dcp" names dp x cp
 together: the ranks that hold the same weights and see different tokens, over which gradients
 and optimizer state reduce (Megatron's data-context group). Expert parallelism folds over dcp,
-so `ep` must divide dp x cp. A single process gets a mesh of size 1 and no groups, and
+so `ep` must divide dp x cp. HSDP (`parallel.dp_replicate`) splits each dcp line into
+dp_replicate runs of consecutive ranks: "dp_shard" names a run (FSDP2 shards over it),
+"dp_replicate" the ranks at the same place in every run (they hold the same shards and
+all-reduce their gradients). A single process gets a mesh of size 1 and no groups, and
 the layers skip their collectives.
 """
 
@@ -80,6 +83,7 @@ class ParallelMesh:
     # expert tensor parallelism (`parallel.etp`): consecutive runs of etp ranks inside each
     # tp group split the routed experts' hidden width ("etp" in size, rank and group)
     etp: int = 1
+    dp_replicate: int = 1  # HSDP replica groups along each dcp line (`parallel.dp_replicate`)
     _groups: dict[object, object] = field(default_factory=dict)
 
     @property
@@ -100,6 +104,9 @@ class ParallelMesh:
             return self.etp
         if dim == "dcp":
             return self.sizes["dp"] * self.sizes["cp"]
+        if dim in ("dp_replicate", "dp_shard"):
+            r = self.dp_replicate
+            return r if dim == "dp_replicate" else self.size("dcp") // r
         return self.sizes[dim]
 
     def rank(self, dim: str) -> int:
@@ -111,6 +118,9 @@ class ParallelMesh:
             return self.rank("dp") * self.sizes["cp"] + self.rank("cp")
         if dim == "etp":
             return self.rank("tp") % self.etp
+        if dim in ("dp_replicate", "dp_shard"):
+            run, place = divmod(self.rank("dcp"), self.size("dp_shard"))
+            return run if dim == "dp_replicate" else place
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str):
@@ -126,6 +136,12 @@ class ParallelMesh:
                 etp, tp = self.etp, self.sizes["tp"]
                 runs = [line[i : i + etp] for line in self._lines("tp") for i in range(0, tp, etp)]
                 self._groups[dim] = self._new_groups(runs)
+            return self._groups[dim]
+        if dim in ("dp_replicate", "dp_shard"):
+            if self.dp_replicate == 1:  # plain FSDP2: one run, the whole dcp line
+                return self.group("dcp") if dim == "dp_shard" else None
+            if dim not in self._groups:
+                self._groups[dim] = self._new_groups(self._hsdp_lines(dim))
             return self._groups[dim]
         if dim == "dcp" and 1 in (self.sizes["dp"], self.sizes["cp"]):
             return self.group("dp" if self.sizes["cp"] == 1 else "cp")
@@ -175,6 +191,15 @@ class ParallelMesh:
         moved = grid.movedim(axes, list(range(-len(axes), 0)))
         return moved.reshape(-1, self.size(dim)).tolist()
 
+    def _hsdp_lines(self, dim: str) -> list[list[int]]:
+        """Each dcp line as runs of dp_shard consecutive ranks ("dp_shard"), or as the ranks
+        at the same place in every run ("dp_replicate")."""
+        n = self.size("dp_shard")
+        lines = self._lines("dcp")
+        if dim == "dp_shard":
+            return [line[i : i + n] for line in lines for i in range(0, len(line), n)]
+        return [line[j::n] for line in lines for j in range(n)]
+
     @staticmethod
     def _new_groups(rank_lists: list[list[int]]):
         """Create a group per list (every rank creates all of them, in the same order) and
@@ -187,9 +212,18 @@ class ParallelMesh:
         return mine
 
     def submesh(self, *dims: str):
-        """The DeviceMesh over `dims` (for FSDP2 and friends); "dcp" as one flat dimension."""
+        """The DeviceMesh over `dims` (for FSDP2 and friends); "dcp" as one flat dimension;
+        ("dp_replicate", "dp_shard") as HSDP's 2-D mesh over this rank's dcp line."""
         if self.device_mesh is None:
             return None
+        if dims == ("dp_replicate", "dp_shard"):
+            from torch.distributed.device_mesh import DeviceMesh
+
+            line = next(x for x in self._lines("dcp") if self.global_rank in x)
+            grid = torch.tensor(line).view(self.dp_replicate, -1)  # (replicas, shards)
+            groups = [self.group("dp_replicate"), self.group("dp_shard")]
+            kind = self.device_mesh.device_type
+            return DeviceMesh.from_group(groups, kind, mesh=grid, mesh_dim_names=dims)
         if dims == ("dcp",):
             if 1 in (self.sizes["dp"], self.sizes["cp"]):
                 return self.submesh("dp" if self.sizes["cp"] == 1 else "cp")
@@ -211,13 +245,13 @@ def build_mesh(cfg: ParallelConfig, acc: Accelerator) -> ParallelMesh:
     if math.prod(sizes.values()) != world:
         raise ValueError(f"mesh {sizes} does not match world size {world}")
     if world == 1:
-        return ParallelMesh(sizes, order, etp=cfg.etp)
+        return ParallelMesh(sizes, order, etp=cfg.etp, dp_replicate=cfg.dp_replicate)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(acc.kind, tuple(sizes.values()), mesh_dim_names=order)
-    mesh = ParallelMesh(sizes, order, device_mesh, etp=cfg.etp)
-    mesh.group("dcp")  # collectives: made here, where every rank passes
-    mesh.group("etp")
+    mesh = ParallelMesh(sizes, order, device_mesh, etp=cfg.etp, dp_replicate=cfg.dp_replicate)
+    for dim in ("dcp", "etp", "dp_replicate", "dp_shard"):  # collectives: made here, where
+        mesh.group(dim)  # every rank passes
     log.info("device mesh %s on %s (backend %s)", mesh.describe(), acc.kind, acc.backend)
     return mesh
 

@@ -11,7 +11,8 @@ Slots, in this fixed order, each its own module:
 5. recompute (`parallel.recompute`): activation checkpointing by `train.recompute`, on the
    decoder's blocks and a tower's (a vlm's encoder); then the frozen parameters
    (`train.freeze`, `models.freeze`) stop requiring gradients;
-6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp;
+6. data parallel (`parallel.data_parallel`): DDP, ZeRO-1 or FSDP2 over dp (FSDP2 with its
+   mixed-precision policy, and as HSDP under `parallel.dp_replicate`);
 7. compile (`train.compile`), last, so dynamo sees DDP's hooks.
 
 Slots 1-5 run on the meta device, on a whole model or a pipeline chunk; `materialize` then
@@ -34,7 +35,7 @@ from hyperloom.models.freeze import apply_freeze
 from hyperloom.models.registry import ModelFamily, build_model, family
 from hyperloom.models.shard import restore_shards, shards_by_name
 from hyperloom.parallel.context_parallel import apply_context_parallel, context_shard
-from hyperloom.parallel.data_parallel import wrap_data_parallel
+from hyperloom.parallel.data_parallel import fsdp_policy, wrap_data_parallel
 from hyperloom.parallel.expert_parallel import ExpertParallelism, apply_expert_parallel
 from hyperloom.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from hyperloom.parallel.fp8 import apply_fp8
@@ -136,7 +137,9 @@ def build_parallel_model(job: JobConfig, mesh: ParallelMesh, device: torch.devic
     materialize(model, device, job.train.seed)
     select_ops(model, job)
     routed = job.model.n_routed_experts > 0
-    module = wrap_data_parallel(model, mesh, job.parallel.zero, sharding.experts, routed)
+    par = job.parallel
+    mp = fsdp_policy(par.fsdp_param_dtype, par.fsdp_reduce_dtype)
+    module = wrap_data_parallel(model, mesh, par.zero, sharding.experts, routed, mp_policy=mp)
     return ParallelModel(
         module,
         model,

@@ -50,6 +50,13 @@ def cpu_runtime(rt: Runtime) -> Runtime:
     )
 
 
+def profile_path(cache: Path, kind: str, dtype: str, world: int, host_allocator: str) -> Path:
+    """Where `cached_profile` keeps the profile of (device kind, dtype, world, allocator)."""
+    # the suffix is the profile's format: raise it when calibration measures something new
+    policy = f"-{host_allocator}" if kind == "cpu" else ""
+    return cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v11.json"
+
+
 def cached_profile(
     cache: Path,
     kind: str,
@@ -64,9 +71,7 @@ def cached_profile(
     host-memory fit (`calibrate`). `isolate` measures in a child process, so that a trainer
     that has not built its model yet holds none of the calibration's memory or kernels (its
     memory baseline and peak stay those of a run that found the cache)."""
-    # the suffix is the profile's format: raise it when calibration measures something new
-    policy = f"-{host_allocator}" if kind == "cpu" else ""
-    path = cache / "planner" / f"calibrated-{kind}-{dtype}-w{world}{policy}-v11.json"
+    path = profile_path(cache, kind, dtype, world, host_allocator)
     if path.exists():
         return load_profile(path)
     if isolate:

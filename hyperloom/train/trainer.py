@@ -46,6 +46,7 @@ from hyperloom.parallel.context_parallel import context_shard
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.train.optim import build_optimizer, lr_at
+from hyperloom.train.planning import add_self_check, choose_recompute
 from hyperloom.train.profile import StepProfiler
 from hyperloom.train.report import (
     bits_per_byte,
@@ -97,7 +98,7 @@ class Trainer:
             preload_triton()  # torch.compile would import it inside the first step
         self.memory_baseline = self.acc.current_memory_bytes()
         # recompute auto: the planner picks this stage's policy; `run_cfg` is what runs
-        self.recompute_choice = self._choose_recompute() if is_auto(t.recompute) else None
+        self.recompute_choice = choose_recompute(self) if is_auto(t.recompute) else None
         self.run_cfg = cfg
         if self.recompute_choice is not None:
             policy = self.recompute_choice.policies[self.mesh.rank("pp")]
@@ -405,84 +406,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def _plan_profile(self, before_model: bool = False):
-        """(hardware profile, this rank's share of it, ranks on this machine) for the planner:
-        `logging.self_check`'s JSON, or this machine's profile, calibrated once and cached.
-        `before_model` (recompute auto): a calibration runs in its own process, and with
-        self_check off the profile is an uncalibrated one of this device's memory (auto
-        still needs the planner's memory model)."""
-        from hyperloom.data.build import cache_root
-        from hyperloom.planner.hardware import HardwareProfile, load_profile
-        from hyperloom.planner.selfcheck import CPU_PROFILE, cached_profile, cpu_share
-        from hyperloom.train.probe import measure_runtime_memory
-
-        cfg, world = self.cfg, self.mesh.world_size
-        choice = cfg.logging.self_check
-        if choice == "off" and before_model:
-            gib = self.acc.memory_capacity_bytes() / 2**30
-            profile = HardwareProfile(f"uncalibrated-{self.acc.kind}", 1.0, 0.0, gib, 100.0, 1.0)
-            return profile, 1.0, 1
-        if choice == "auto":  # calibrates once; the trainer measures the host memory fit
-            root = cache_root(cfg.data)
-            kind, dtype, policy = self.acc.kind, cfg.precision.dtype, cfg.train.host_allocator
-            profile = cached_profile(
-                root, kind, dtype, world, policy, measure_runtime_memory, isolate=before_model
-            )
-        else:
-            profile = load_profile(choice)
-        share, local = 1.0, 1
-        if profile.name == CPU_PROFILE:  # all cores measured; a rank gets a share
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            share = cpu_share(torch.get_num_threads(), local)
-        return profile, share, local
-
-    def _choose_recompute(self):
-        """`train.recompute = auto`: the main rank asks the planner for each stage's policy
-        (planner.autorecompute) and tells the others; a budget nothing fits is a ConfigError
-        on every rank."""
-        from hyperloom.planner import PlanError
-        from hyperloom.planner.autorecompute import for_job
-        from hyperloom.planner.simulate import DEFAULT_MARGIN_GIB
-
-        box: list[Any] = [None]
-        if self.mesh.is_main:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            budget = self.cfg.train.memory_budget_gb * 1e9
-            if not budget:  # the device's capacity less the planner's margin, or 10%
-                capacity = self.acc.memory_capacity_bytes() / (
-                    local if self.acc.kind == "cpu" else 1
-                )
-                budget = capacity - min(DEFAULT_MARGIN_GIB * 2**30, 0.1 * capacity)
-            try:
-                profile, share, _ = self._plan_profile(before_model=True)
-                box[0] = for_job(
-                    self.cfg, profile, self.mesh.world_size, budget, self.memory_baseline, share
-                )
-                log.info("%s", box[0].describe())
-            except (PlanError, OSError, ValueError) as exc:
-                box[0] = f"train.recompute = auto: {exc}"
-        if self.mesh.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise ConfigError(box[0])
-        return box[0]
-
-    def _self_check(self, step_s: float, peak_bytes: float) -> dict[str, Any]:
-        """The planner's prediction for this job beside the measurement (planner.selfcheck);
-        under recompute auto, for the costliest policy a stage runs."""
-        from hyperloom.planner.selfcheck import self_check
-
-        cfg = self.cfg
-        if self.recompute_choice is not None:
-            train = dataclasses.replace(cfg.train, recompute=self.recompute_choice.costliest)
-            cfg = dataclasses.replace(cfg, train=train)
-        try:
-            profile, share, local = self._plan_profile()
-            return self_check(cfg, profile, self.mesh.world_size, step_s, peak_bytes, share, local)
-        except Exception as exc:  # noqa: BLE001 - a failed prediction must not fail the run
-            log.warning("planner self-check skipped: %s", exc)
-            return {"plan_error": str(exc)}
-
     def _bits_per_byte(self, initial: float | None, final: float | None) -> dict[str, float]:
         """The summary's validation losses in bits per byte (text families)."""
         bpt = self.val_bytes_per_token
@@ -671,26 +594,8 @@ class Trainer:
         return RunResult(summary, self.run_dir)
 
     def add_self_check(self, summary: dict[str, Any]) -> None:
-        """The planner's predictions beside this run's measured step time and memory, into
-        `summary` (main rank; `logging.self_check`). The first run on a machine calibrates
-        the planner (about a minute, cached), announced before it starts; the CLI calls this
-        after the sample, so that the training result is not kept waiting."""
-        from hyperloom.data.build import cache_root
-        from hyperloom.planner.selfcheck import profile_path
-
-        cfg = self.cfg
-        if cfg.logging.self_check == "off" or self._measured is None:
-            return
-        key = (self.acc.kind, cfg.precision.dtype, self.mesh.world_size, cfg.train.host_allocator)
-        if (
-            cfg.logging.self_check == "auto"
-            and not profile_path(cache_root(cfg.data), *key).exists()
-        ):
-            log.info(
-                "planner self-check: calibrating this machine once (about a minute; cached "
-                "for later runs; --logging.self_check off skips it)"
-            )
-        summary.update(self._self_check(*self._measured))
+        """The planner's self-check into `summary` (`planning.add_self_check`)."""
+        add_self_check(self, summary, self._measured)
 
 
 class _Window:

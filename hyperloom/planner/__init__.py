@@ -5,10 +5,12 @@ In the spirit of SimuMax (MooreThreads/SimuMax), except that the pipeline is not
 per-op costs are laid onto the same schedule IR the executor runs (`hyperloom.pipeline`) and
 replayed, so warm-up, uneven stages, exposed p2p and peak in-flight micro-batches come out of
 the program itself. The planner reads the job config and never imports the trainer; the
-trainer hands it measurements (`selfcheck`, `calibrate`). Files: `hardware`, `collectives`,
-`model`, `strategy`, `costs`, `memory`, `vision` (a vlm's encoder), `simulate` (`predict` ->
-`Plan`), `search`, `report`, `cli`, `calibrate`, `host_memory`, `selfcheck`, `published`;
-docs/planner.md walks them.
+trainer hands it measurements (`selfcheck`, `calibrate`). Files: `hardware`, `kernels`
+(GEMMs by shape, attention by length), `profiles` (the built-in accelerators and their
+sources), `network` (link tiers), `collectives`, `model`, `strategy`, `costs`, `memory`,
+`vision` (a vlm's encoder), `simulate` (`predict` -> `Plan`), `search`, `report`, `cli`,
+`flags` (`plan predict` from flags), `calibrate`, `calibrate_gemm`, `host_memory`,
+`selfcheck`, `published`; docs/planner.md walks them.
 
     >>> from hyperloom.config import ModelConfig
     >>> from hyperloom.planner import Cluster, ModelSpec, Strategy, predict

@@ -8,8 +8,10 @@ host's fixed cost per layer; causal SDPA at a few sequence lengths (``attn_table
 training process's resident bytes beyond its live tensors (`host_memory.py`); and unless
 `collectives=False`, all-reduces fitted to the ring model for bandwidth and latency (plus, on
 CPU, the wait for peers). One machine has no scale-out link, so NIC figures copy the scale-up
-ones: give the real NIC with --inter-gbs. The profile is a `HardwareProfile` saved as JSON
-with the raw measurements; `--accelerator path.json` uses it.
+ones: give the real NIC with --inter-gbs. On a device with SMs the GEMM shape model
+(`kernels.GemmModel`) is fitted to the measured shapes, each training form timed on its own;
+``--job CONFIG`` adds the job's own shapes (`calibrate_gemm.py`). The profile is a
+`HardwareProfile` saved as JSON with the raw measurements; `--accelerator path.json` uses it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from hyperloom.accelerator import DTYPES, configure_host_allocator
 from hyperloom.accelerator import get_accelerator as get_device
+from hyperloom.planner.calibrate_gemm import device_sms, gemm_forms, measure_matmuls, with_job_gemms
 from hyperloom.planner.hardware import GIB, HardwareProfile, save_profile
 from hyperloom.planner.host_memory import (
     RUNTIME_BATCHES,
@@ -404,8 +407,10 @@ def calibrate(
     host_allocator: str = "cache",
     progress: Callable[[str], None] | None = None,
     runtime_memory: RuntimeMemoryProbe | None = None,
+    gemm_shapes: list[tuple[int, int, int]] | None = None,
 ) -> tuple[HardwareProfile, dict]:
-    """Measure this machine; returns the profile and the raw measurements. On CPU the
+    """Measure this machine; returns the profile and the raw measurements. `gemm_shapes`
+    (`calibrate_gemm.job_gemm_shapes`): a job's GEMM forms, timed one by one. On CPU the
     measurements run under `host_allocator` (`accelerator.configure_host_allocator`), the
     policy of the training runs the profile is for, and with every core: a CPU profile is the
     whole machine, of which a job's rank gets its share (`selfcheck.cpu_share`) -- also when
@@ -415,6 +420,7 @@ def calibrate(
     `runtime_memory` measures training runs for the host-memory fit on CPU
     (`host_memory.fit_runtime_memory`); without it that fit is left at 0."""
     args = (device, dtype, quick, collectives, host_allocator, progress, runtime_memory)
+    args += (gemm_shapes,)
     if get_device(device).kind != "cpu":
         return _calibrate(*args)
     threads = torch.get_num_threads()
@@ -433,6 +439,7 @@ def _calibrate(
     host_allocator: str,
     progress: Callable[[str], None] | None,
     runtime_memory: RuntimeMemoryProbe | None,
+    gemm_shapes: list[tuple[int, int, int]] | None = None,
 ) -> tuple[HardwareProfile, dict]:
     """`calibrate`'s measurements, at the thread count the caller set."""
     say = progress or (lambda text: None)
@@ -543,7 +550,28 @@ def _calibrate(
         layer_overhead_s=layer_overhead,
         collective_wait_us=wait_us,
     )
+    sms = device_sms(acc)
+    forms = list(gemm_shapes or [])
+    if sms:  # every default shape's forms too: the model is fitted on each form alone
+        forms = list(dict.fromkeys(forms + [f for m, n, k in shapes for f in gemm_forms(m, n, k)]))
+    if forms:
+        say(f"GEMMs one form at a time: {len(forms)} shapes" + (f", {sms} SMs" if sms else ""))
+        measured = measure_matmuls(acc, dt, forms)
+        raw["gemm_forms_tflops"] = [
+            {"m": m, "n": n, "k": k, "tflops": t} for (m, n, k), t in measured
+        ]
+        profile = with_job_gemms(profile, measured, sms)
     return profile, raw
+
+
+def _job_shapes(args: argparse.Namespace) -> list[tuple[int, int, int]] | None:
+    """``--job CONFIG`` (and its dotted overrides): the job's GEMM forms, or None."""
+    if not getattr(args, "job", None):
+        return None
+    from hyperloom.planner.calibrate_gemm import job_gemm_shapes
+    from hyperloom.planner.cli import load_job
+
+    return job_gemm_shapes(load_job(args.job, list(getattr(args, "overrides", []) or [])))
 
 
 def cmd_calibrate(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None) -> int:
@@ -563,6 +591,7 @@ def cmd_calibrate(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe |
             host_allocator=args.host_allocator,
             progress=progress,
             runtime_memory=runtime_memory,
+            gemm_shapes=_job_shapes(args),
         )
     path = save_profile(profile, args.out, raw)
     console.print(

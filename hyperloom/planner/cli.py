@@ -2,6 +2,8 @@
 
     hyperloom plan predict CONFIG.toml [--section.key value ...] [--schedule K --vpp V
                    --recompute R --fp8 --dispatcher D --cp-comm C] [--gpus N]
+    hyperloom plan predict --model llama3-70b [--layers 20] --tp 8 --pp 2 --dp 4 --mbs 1
+                   --microbatches 16 --seq 8192 [--dim/--heads/--kv-heads/--ffn/--vocab ...]
     hyperloom plan search --model llama3-70b --gpus 1024 --accelerator h100
                    --global-batch 1024 --seq 8192 [--top 10] [--fix tp=8,pp=4/8]
     hyperloom plan search CONFIG.toml [--section.key value ...] [--fix ...]
@@ -12,8 +14,11 @@ from [parallel], the micro-batch size and count from [train] and the sequence le
 [data] (`Strategy.from_job`), and predicts that one layout; the schedule kind, chunks per
 rank, recompute policy (train.recompute) and FP8 come from the job unless a flag says
 otherwise. The config is read without the trainer's "not built yet" checks, so
-layouts the trainer cannot run yet can be planned. `search` searches the layouts of a model
-preset, or of a job's model, GPU count and batch (`search.py`); --fix pins dimensions (``/``
+layouts the trainer cannot run yet can be planned. Without a CONFIG, flags describe the job
+(`flags.py`: a preset or a shape, the layout, micro-batches, sequence length). The prediction
+is the realistic one; the roofline (every efficiency 1) is shown beside it as a
+bound. `search` searches the layouts of a model preset, or of a job's model, GPU count and
+batch (`search.py`); --fix pins dimensions (``/``
 separates several values). --json writes every plan, --png-prefix writes PREFIX_memory.png,
 PREFIX_timeline.png and (search) PREFIX_top.png. `calibrate` measures this machine
 (`calibrate.py`) and saves a profile that --accelerator accepts. Without a subcommand,
@@ -39,6 +44,7 @@ from rich.console import Console
 
 from hyperloom.config.args import number
 from hyperloom.planner.errors import PlanError
+from hyperloom.planner.flags import add_job_flags, apply_layout, has_job_flags, job_overrides
 from hyperloom.planner.hardware import PROFILES, Cluster, get_profile
 from hyperloom.planner.host_memory import RuntimeMemoryProbe
 from hyperloom.planner.strategy import RUNTIMES
@@ -127,7 +133,8 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--efficiency",
         type=float,
-        help="achieved fraction of the compute roofline (docs/planner.md fits 0.8)",
+        help="a further factor on every compute rate beyond the profile's step_eff "
+        "(default 1: the profile's realistic rates)",
     )
     p.add_argument(
         "--margin-gib", type=number(least=0), default=6.0, help="memory kept free per device"
@@ -212,6 +219,12 @@ def _calibrate_args(p: argparse.ArgumentParser, mode: str = "") -> None:
         default="bf16",
         help=f"{mode}the training runs' precision.dtype (the GEMMs and kernels measured in it)",
     )
+    p.add_argument(
+        "--job",
+        metavar="CONFIG",
+        help=f"{mode}also time this job's own GEMM shapes, each training form (and its "
+        "--section.key overrides)",
+    )
 
 
 def add_plan_parser(
@@ -247,10 +260,14 @@ def add_plan_parser(
     )
     q = modes.add_parser(
         "predict",
-        help="one layout: a job config's (the same TOML and overrides as `hyperloom train`)",
+        help="one layout: a job config's (the same TOML and overrides as `hyperloom train`) "
+        "or one given by flags (--model/--dim ..., --tp/--pp/--dp ...)",
         description=paragraphs[2].split(" `search` ")[0],
     )
-    q.add_argument("target", metavar="CONFIG", help="job TOML ([--section.key value] overrides)")
+    q.add_argument(
+        "target", nargs="?", metavar="CONFIG", help="job TOML ([--section.key value] overrides)"
+    )
+    add_job_flags(q)
     q.add_argument(
         "--gpus", type=number(int, least=1), help="number of accelerators (default: the job's)"
     )
@@ -414,13 +431,22 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
     from hyperloom.planner import report
     from hyperloom.planner.model import ModelSpec
     from hyperloom.planner.search import SearchSpace, search
-    from hyperloom.planner.simulate import predict
+    from hyperloom.planner.simulate import predict, with_roofline
     from hyperloom.planner.strategy import Strategy
 
     out, rt = _console(), _runtime(args)
     fixes = parse_fix(args.fix)
-    if args.target:
-        job = load_job(args.target, list(getattr(args, "overrides", []) or []))
+    flagged = args.plan_command == "predict"  # flags may describe (or change) the job
+    if args.target or flagged:
+        overrides = list(getattr(args, "overrides", []) or [])
+        if flagged:
+            if not args.target and not has_job_flags(args):
+                raise PlanError(
+                    "plan predict needs a job CONFIG or the model as flags: --model PRESET "
+                    "and/or --dim, --layers, --heads, ... (see hyperloom plan predict --help)"
+                )
+            overrides = job_overrides(args) + overrides
+        job = load_job(args.target, overrides)
         if job.precision.dtype != "bf16":
             log.warning("precision.dtype = %s: the planner costs BF16 compute", job.precision.dtype)
         spec = _with_vision(_imbalanced(ModelSpec.from_job(job), args), args)
@@ -428,6 +454,8 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         recompute = args.recompute
         auto = recompute is None and is_auto(job.train.recompute)
         s = Strategy.from_job(job, args.schedule, args.vpp, "none" if auto else recompute, fp8)
+        if flagged:
+            s = apply_layout(s, args)
         if args.dispatcher:
             s = dataclasses.replace(s, dispatcher=args.dispatcher)
         if args.cp_comm:
@@ -474,13 +502,13 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         query["freeze"] = list(spec.freeze)
     stats = None
     if mode == "predict":
-        plans = [predict(spec, cluster, s, seq, rt, args.margin_gib)]
+        plans = [with_roofline(predict(spec, cluster, s, seq, rt, args.margin_gib), fast=False)]
         out.print(report.plans_table(plans, f"{spec.name} on {gpus} x {cluster.profile.name}"))
     else:
         result = search(
             spec, cluster, gbs, seq, rt, SearchSpace().fixed(**fixes), args.top, args.margin_gib
         )
-        plans, stats = result.top, result.summary()
+        plans, stats = [with_roofline(p) for p in result.top], result.summary()
         out.print(
             report.plans_table(
                 plans,
@@ -497,11 +525,7 @@ def cmd_plan(args: argparse.Namespace, runtime_memory: RuntimeMemoryProbe | None
         )
     for table in report.breakdown_table(plans[0]):
         out.print(table)
-    if rt.efficiency == 1.0:
-        out.print(
-            "times are the profile's roofline (--efficiency 1); Megatron-LM's published H100 "
-            "runs reach about 0.79 of it (docs/planner.md)"
-        )
+    out.print(report.roofline_note(plans[0]))
     if not plans[0].fits:
         out.print(
             f"[bold red]does not fit[/]: reserved {plans[0].reserved_memory / 2**30:.1f} "

@@ -20,14 +20,21 @@ other nodes leaves through the rank's NIC while the on-node share crosses the sc
 concurrently. With once-per-node dispatch (DeepSeek-V3 §3.2.2, DeepEP; ``dedup``) a token
 limited to M nodes sends M (k-1)/k network copies instead of top_k (k-1)/k; a plain
 variable-split all-to-all (hyperloom, Megatron) sends every copy.
+
+Link tiers (`network.py`): a profile's ``intra_tier``/``inter_tier`` give each collective its
+own bandwidth (``Tier.relative`` over the all-reduce's bus bandwidth) and per-step latency,
+shrink a PCIe group's bandwidth as it grows (the ranks share the root complex), and slow a
+collective across k nodes by ``1 + straggle log2 k``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import Cluster
+from hyperloom.planner.hardware import Cluster, HardwareProfile
+from hyperloom.planner.network import Tier, get_tier
 
 _SCALE = {
     "all_reduce": (2.0, -1.0),
@@ -50,20 +57,50 @@ class Link:
     # all-reduce (gloo's reduce-scatter and all-gather are no rings: 3.3-5.8x and 0.9-2.4x
     # measured on loopback)
     scale: tuple[tuple[str, float], ...] = ()
+    # (kind, seconds) per ring step where a collective's latency differs from `latency`
+    alphas: tuple[tuple[str, float], ...] = ()
+    slow: float = 1.0  # the straggler factor of a group across nodes (`network.Tier`)
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
     """Seconds for one collective of `kind` over `n` ranks on `link` (S = full buffer)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    alpha = next((a for k, a in link.alphas if k == kind), link.latency)
+    factor = next((f for k, f in link.scale if k == kind), 1.0)
     if kind == "p2p":
-        return link.latency + nbytes / link.bandwidth + link.fixed
+        return (alpha + nbytes * factor / link.bandwidth) * link.slow + link.fixed
     if kind not in _SCALE:
         raise PlanError(f"unknown collective {kind!r}; known: p2p, {', '.join(_SCALE)}")
     scale, offset = _SCALE[kind]
-    beta = nbytes * scale * (1 + offset / n) / link.bandwidth
-    beta *= next((f for k, f in link.scale if k == kind), 1.0)
-    return beta + link.latency * scale * (n + offset) + link.fixed
+    beta = nbytes * scale * (1 + offset / n) / link.bandwidth * factor
+    return (beta + alpha * scale * (n + offset)) * link.slow + link.fixed
+
+
+def _tier_link(
+    acc: HardwareProfile, bandwidth: float, level: str, n: int, nodes: int = 1, fixed: float = 0.0
+) -> Link:
+    """A link of `bandwidth` (the all-reduce's bus bandwidth) on the profile's tier of
+    `level`, for a group of `n` ranks over `nodes` nodes: the tier's per-collective factors
+    (times any calibrated `collective_scale`), latencies, group-size loss and stragglers."""
+    inter = level == "inter"
+    name = acc.inter_tier if inter else acc.intra_tier
+    tier, scale, alphas = _tier_factors(name, acc.collective_scale)
+    latency = (acc.inter_latency_us if inter else acc.intra_latency_us) * 1e-6
+    bw = bandwidth * tier.group_factor(n)
+    slow = tier.straggler(nodes) if inter else 1.0
+    return Link(bw, latency, fixed, level, scale, alphas, slow)
+
+
+@functools.lru_cache(maxsize=256)
+def _tier_factors(name: str, measured: tuple[tuple[str, float], ...]):
+    """(tier, per-kind factors on the bandwidth term, per-kind latencies) of a tier with a
+    profile's measured `collective_scale` folded in."""
+    tier: Tier = get_tier(name)
+    found = dict(measured)
+    factors = ((k, found.get(k, 1.0) / tier.efficiency(k)) for k in (*_SCALE, "p2p"))
+    scale = tuple((k, f) for k, f in factors if f != 1.0)
+    return tier, scale, tuple((k, a * 1e-6) for k, a in tier.latency_us)
 
 
 def strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
@@ -81,17 +118,14 @@ def strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
 def group_link(cluster: Cluster, size: int, stride: int) -> Link:
     """The link a group of `size` ranks spaced `stride` apart runs on (see module doc)."""
     acc, g = cluster.profile, cluster.gpus_per_node
-    k = acc.collective_scale
     bw = acc.intra_gbs * 1e9 * acc.intra_eff
-    wait = acc.collective_wait_us * 1e-6
-    intra = Link(bw, acc.intra_latency_us * 1e-6, fixed=wait, level="intra", scale=k)
     if size <= 1:
-        return Link(intra.bandwidth, 0.0, level="local")
+        return Link(bw, 0.0, level="local")
     if size * stride <= g:
-        return intra
+        return _tier_link(acc, bw, "intra", size, fixed=acc.collective_wait_us * 1e-6)
     per_node = max(1, min(size, g // stride)) if stride < g else 1
     inter_bw = acc.nic_gbs * 1e9 * acc.inter_eff * per_node
-    return Link(min(inter_bw, bw), acc.inter_latency_us * 1e-6, level="inter", scale=k)
+    return _tier_link(acc, min(inter_bw, bw), "inter", size, size // per_node)
 
 
 def p2p_link(cluster: Cluster, size: int, stride: int) -> Link:
@@ -104,8 +138,8 @@ def p2p_link(cluster: Cluster, size: int, stride: int) -> Link:
     acc = cluster.profile
     if size * stride <= cluster.gpus_per_node:
         wait = acc.collective_wait_us * 1e-6
-        return Link(acc.intra_gbs * 1e9 * acc.intra_eff, acc.intra_latency_us * 1e-6, wait)
-    return Link(acc.nic_gbs * 1e9 * acc.inter_eff, acc.inter_latency_us * 1e-6, level="inter")
+        return _tier_link(acc, acc.intra_gbs * 1e9 * acc.intra_eff, "intra", 2, fixed=wait)
+    return _tier_link(acc, acc.nic_gbs * 1e9 * acc.inter_eff, "inter", 2)
 
 
 @dataclass(frozen=True)
@@ -165,14 +199,16 @@ def all_to_all_cost(
     if n <= 1:
         return AllToAll()
     link = group_link(cluster, n, stride)
+    factor = next((f for kind, f in link.scale if kind == "all_to_all"), 1.0)
+    alpha = next((a for kind, a in link.alphas if kind == "all_to_all"), link.latency)
     if link.level != "inter":
-        beta = (n - 1) / n / link.bandwidth
-        return AllToAll(n, (n - 1) * link.latency + link.fixed, beta, link.level)
+        beta = (n - 1) / n / link.bandwidth * factor
+        return AllToAll(n, (n - 1) * alpha + link.fixed, beta, link.level)
     acc, g = cluster.profile, cluster.gpus_per_node
     k = max(2, (n * stride) // g)  # nodes the group spans
     r = max(1, n // k)  # members per node
-    nic = acc.nic_gbs * 1e9 * acc.inter_eff
-    fabric = acc.intra_gbs * 1e9 * acc.intra_eff
+    nic = acc.nic_gbs * 1e9 * acc.inter_eff * get_tier(acc.inter_tier).efficiency("all_to_all")
+    fabric = acc.intra_gbs * 1e9 * acc.intra_eff * get_tier(acc.intra_tier).efficiency("all_to_all")
     off_node = (k - 1) / k
     if dedup:
         limit = node_limit(k, *groups)
@@ -180,8 +216,8 @@ def all_to_all_cost(
         on_node = (r - 1) / r  # forwarded inside the destination node: every copy
     else:
         on_node = (r - 1) / r / k
-    per_byte = max(off_node / nic, on_node / fabric)
-    return AllToAll(n, (n - 1) * acc.inter_latency_us * 1e-6, per_byte, "inter", k)
+    per_byte = max(off_node / nic, on_node / fabric) * link.slow
+    return AllToAll(n, (n - 1) * alpha * link.slow, per_byte, "inter", k)
 
 
 def all_to_all_time(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:

@@ -17,7 +17,9 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
   each exchange exposes only what exceeds its step's compute; backward also passes the FP32
   dK/dV accumulators round (cp exchanges, each behind the next step, the last exposed).
   Ulysses (alltoall): q, k, v and the output all-to-all'd each way, nothing hidden;
-- ZeRO-3: each layer's parameters gathered (BF16) forward and backward;
+- ZeRO-3: each layer's parameters gathered forward and backward, `Runtime.param_gather_bytes`
+  per element (hyperloom's FSDP2 gathers its FP32 parameters unless `parallel.fsdp_param_dtype`
+  is bf16; Megatron gathers BF16; `zero3_gather_groups`);
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
   gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside overlapped FB
@@ -37,6 +39,7 @@ etp < tp the routed experts' gradients summed over the tp / etp ranks holding th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -159,6 +162,39 @@ def _exposed(comm: float, compute: float, eta: float) -> float:
     return comm - eta * min(comm, compute)
 
 
+@functools.lru_cache(maxsize=8192)
+def gemm_passes(acc: HardwareProfile, gemms: tuple, fp8: bool) -> tuple[float, float, float]:
+    """(forward, data-gradient, weight-gradient) seconds of a layer's GEMMs, each linear's
+    three forms at their own shapes, with FP8's input quantisation (read 2 bytes, write 1)
+    in every pass. Cached: a search meets the same layer under many strategies."""
+    forms = [acc.gemm_times(g.m, g.n, g.k, fp8, g.count) for g in gemms]
+    f, b, w = (sum(t[i] for t in forms) for i in range(3))
+    if fp8:
+        quant = acc.memory_time(3.0 * sum(g.m * g.k for g in gemms))
+        f, b, w = f + quant, b + quant, w + quant
+    return f, b, w
+
+
+def zero3_gather_groups(spec: ModelSpec, s: Strategy) -> list[tuple[float, int, str]]:
+    """(parameters, ranks, the `Links` field of their link) of each group one layer's FSDP2
+    gathers run over, once per pass: the rank's tp share of the layer over dp x cp; at
+    ep > 1 its local experts over the expert-data-parallel group instead; routed experts
+    split over etp ranks, not tp."""
+    t, e = s.tp, s.etp_size
+    if e == t:
+        groups = [(spec.layer_params() / t, s.dcp, "dp")]
+        if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
+            expert = spec.layer_expert_params() / t
+            groups = [((spec.layer_params() - expert * t) / t, s.dcp, "dp")]
+            groups.append((expert / s.ep, s.edp, "edp"))
+        return groups
+    routed = spec.layer_expert_params()
+    dense = (spec.layer_params() - routed) / t
+    if s.ep > 1:
+        return [(dense, s.dcp, "dp"), (routed / e / s.ep, s.edp, "edp")]
+    return [(dense + routed / e, s.dcp, "dp")]
+
+
 def layer_phase(
     layer: Layer,
     spec: ModelSpec,
@@ -173,12 +209,11 @@ def layer_phase(
     layer no gradient passes through (a frozen vision encoder), the forward only;
     `wgrad=False`: frozen weights, B without W (and without W's gradient casts)."""
     fp8 = s.fp8 and acc.supports_fp8
-    gemm = sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in layer.gemms)
-    if fp8:  # quantising each GEMM input: read 2 bytes, write 1
-        gemm += acc.memory_time(3.0 * sum(g.m * g.k for g in layer.gemms))
+    gemm_f, gemm_b, gemm_w = gemm_passes(acc, layer.gemms, fp8)
     if spec.flash_attention:
-        attn_f = acc.attention_time(layer.attn_flops, seq=layer.seq)
-        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True, seq=layer.seq)
+        d, q = layer.head_dim, layer.seq
+        attn_f = acc.attention_time(layer.attn_flops, seq=q, head_dim=d)
+        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True, seq=q, head_dim=d)
     else:
         core = sum(acc.gemm_time(g.m, g.n, g.k, False, g.count) for g in layer.attn_gemms)
         attn_f = core + acc.memory_time(layer.core_bytes)
@@ -204,37 +239,26 @@ def layer_phase(
         tp_pass, regather = 2 * collective_time("all_reduce", t, buf, links.tp), 0.0
         grads = [b * rt.norm_out_bytes / 2 for b in layer.tp_grad_buffers] or [wide, wide]
         grad_pass = sum(collective_time("all_reduce", t, b, links.tp) for b in grads)
-    tp_f = _exposed(tp_pass, gemm, rt.tp_overlap)
-    tp_b = _exposed(grad_pass, gemm, rt.tp_overlap)
-    tp_w = _exposed(regather, gemm, rt.tp_overlap)
+    tp_f = _exposed(tp_pass, gemm_f, rt.tp_overlap)
+    tp_b = _exposed(grad_pass, gemm_b, rt.tp_overlap)
+    tp_w = _exposed(regather, gemm_w, rt.tp_overlap)
     cp_f, cp_b = context_comm(layer, s, links, rt, attn_f, attn_b)
     dp_f = dp_b = 0.0
     if s.zero == 3 and s.dcp > 1:
-        e = s.etp_size  # the routed experts split over e ranks, the rest over tp
-        if e == t:
-            groups = [(spec.layer_params() / t, s.dcp, links.dp)]
-            if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
-                expert = spec.layer_expert_params() / t
-                groups = [((spec.layer_params() - expert * t) / t, s.dcp, links.dp)]
-                groups.append((expert / s.ep, s.edp, links.edp))
-        else:
-            routed = spec.layer_expert_params()
-            dense = (spec.layer_params() - routed) / t
-            groups = [(dense + routed / e, s.dcp, links.dp)]
-            if s.ep > 1:
-                groups = [(dense, s.dcp, links.dp), (routed / e / s.ep, s.edp, links.edp)]
-        gather = sum(collective_time("all_gather", n, 2.0 * p, lk) for p, n, lk in groups)
-        dp_f = _exposed(gather, gemm + attn_f, rt.fsdp_overlap)
-        dp_b = _exposed(gather, gemm + attn_b, rt.fsdp_overlap)
+        groups = [(p, n, getattr(links, lk)) for p, n, lk in zero3_gather_groups(spec, s)]
+        width = rt.param_gather_bytes
+        gather = sum(collective_time("all_gather", n, width * p, lk) for p, n, lk in groups)
+        dp_f = _exposed(gather, gemm_f + attn_f, rt.fsdp_overlap)
+        dp_b = _exposed(gather, gemm_b + attn_b, rt.fsdp_overlap)
         if not rt.fsdp_unsharded_accumulation:  # gradients reduce-scattered every micro-batch
             rs = sum(
                 collective_time("reduce_scatter", n, rt.grad_reduce_bytes * p, lk)
                 for p, n, lk in groups
             )
-            dp_b += _exposed(rs, gemm, rt.fsdp_overlap)
+            dp_b += _exposed(rs, gemm_b, rt.fsdp_overlap)
     ep_f, ep_b = expert_parallel_comm(layer, spec, s, links, rt)
-    ep_f = _exposed(ep_f, gemm, rt.ep_overlap)
-    ep_b = _exposed(ep_b, gemm, rt.ep_overlap)
+    ep_f = _exposed(ep_f, gemm_f, rt.ep_overlap)
+    ep_b = _exposed(ep_b, gemm_b, rt.ep_overlap)
 
     host = acc.layer_overhead_s  # not scaled with compute: the host runs it one-threaded
     # Autocast's eager casts. With FP32 parameters each forward casts the weights to BF16 and
@@ -248,11 +272,11 @@ def layer_phase(
         weight_cast = acc.cast_time(6.0 * sum(g.n * g.k * g.count for g in layer.gemms))
     cast_f = acc.cast_time(6.0 * layer.cast_elements) + weight_cast
     cast_b = acc.cast_time(6.0 * layer.cast_elements + 12.0 * layer.cast_sum_elements)
-    f = gemm + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3
+    f = gemm_f + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3
     if not backward:
         return Phase(
             f=f,
-            compute=gemm + attn_f + elem_f + cast_f + host / 3,
+            compute=gemm_f + attn_f + elem_f + cast_f + host / 3,
             tp_comm=tp_f,
             cp_comm=cp_f,
             dp_comm=dp_f,
@@ -279,13 +303,15 @@ def layer_phase(
         if mla_up:  # MLA's up-projections from the latents
             ups = [g for g in layer.gemms if g.name in ("wq_b", "wq", "wkv_b")]
             recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in ups)
-    b = gemm + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
+    b = gemm_b + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
+    gemms = gemm_f + gemm_b
     if wgrad:
-        w = gemm + tp_w + weight_cast
-        compute = 3 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + weight_cast + host
+        w = gemm_w + tp_w + weight_cast
+        gemms += gemm_w
+        compute = gemms + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + weight_cast + host
     else:  # frozen weights: no W, nor its re-gathers and gradient casts
         w = tp_w = 0.0
-        compute = 2 * gemm + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + host
+        compute = gemms + attn_f + attn_b + 3 * elem_f + cast_f + cast_b + host
     return Phase(
         f=f,
         b=b,
@@ -410,13 +436,17 @@ def head_phase(
     """
     tokens = s.mbs * seq / s.cp
     t = s.tp
-    fp8 = False  # the head stays in BF16 (as in TransformerEngine recipes)
-    gemm = acc.gemm_time(tokens, spec.vocab_size / t, spec.dim, fp8)
     logits = tokens * spec.vocab_size / t
     x_sp = tokens * spec.dim / (t if s.sp and t > 1 else 1)
     fused = rt is not None and rt.fused_cross_entropy
     chunk = min(tokens, ce_chunk_tokens(tokens, spec.dim, spec.vocab_size / t)) if fused else 0
     chunks = math.ceil(tokens / chunk) if fused else 1
+    # the head stays in BF16 (as in TransformerEngine recipes); the fused loss runs its three
+    # GEMMs chunk by chunk
+    rows = chunk if fused else tokens
+    gemm_f, gemm_b, gemm_w = (
+        chunks * g for g in acc.gemm_times(rows, spec.vocab_size / t, spec.dim, False)
+    )
     comm_f = comm_b = 0.0
     if t > 1:
         # the head's input (the final norm's output: FP32 under autocast per op) is gathered
@@ -443,7 +473,7 @@ def head_phase(
         if not wgrad:  # the operator forms no ∂W (nor its cast-adds)
             ce_f -= acc.memory_time(10.0 * weights * chunks)
         ce_b = acc.memory_time(8.0 * x_sp + (8.0 * weights if wgrad else 0.0))  # ∂h and ∂W
-        gemms = (3 if wgrad else 2) * gemm
+        gemms = gemm_f + gemm_b + (gemm_w if wgrad else 0.0)
         return Phase(
             f=gemms + ce_f + comm_f,
             b=ce_b + comm_b,
@@ -453,10 +483,10 @@ def head_phase(
     ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
     ce_b = acc.elementwise_time(22.0 * logits + 8.0 * x_sp)
     return Phase(
-        f=gemm + ce_f + comm_f,
-        b=gemm + ce_b + comm_b,
-        w=gemm if wgrad else 0.0,
-        compute=(3 if wgrad else 2) * gemm + ce_f + ce_b,
+        f=gemm_f + ce_f + comm_f,
+        b=gemm_b + ce_b + comm_b,
+        w=gemm_w if wgrad else 0.0,
+        compute=gemm_f + gemm_b + (gemm_w if wgrad else 0.0) + ce_f + ce_b,
         tp_comm=comm_f + comm_b,
     )
 

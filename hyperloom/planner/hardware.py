@@ -1,21 +1,24 @@
 """Hardware profiles and clusters: the hardware numbers every planner cost is made of.
 
 A `HardwareProfile` is data: datasheet peaks of one accelerator and its usual node's links,
-and efficiency factors that turn a peak into what software reaches (a GEMM runs at
-``peak * gemm_eff * shape factor``, a memory-bound kernel at ``hbm * mem_eff``, a collective
-at ``link * link_eff``). `hyperloom plan calibrate` measures these on the machine at hand and
-saves them as JSON (`load_profile`).
+and the efficiencies that turn a peak into what software reaches. Built-in profiles
+(`profiles.py`) say where every number comes from (``sources``).
 
-Sources (each profile's ``source`` repeats them): vendor datasheets for peaks (dense, i.e.
-2:4-sparsity headlines halved), memory (as the device reports it, GiB) and links (per GPU, per
-direction); ``gemm_eff`` from stas00/ml-engineering's MAMF table; ``fp8_speedup`` 1.55 from
-TransformerEngine's H200 GEMMs; flash-attention, ``mem_eff`` and link efficiencies are our
-stated assumptions (FlashAttention-2/3 papers as guides), which is what `calibrate` is for.
-The table is in docs/planner.md.
+- GEMMs by shape (`kernels.GemmModel`: tile and wave quantization over the SMs, split-K, a
+  small-K penalty; FP8 at ``fp8_speedup``), each of a linear's three training forms (x wᵀ,
+  g w, gᵀ x) at its own shape, under a memory roofline. A calibrated profile's measured
+  shapes (``gemm_table``) win where a GEMM matches one within 5% on every dimension (CPU
+  profiles, which have no SM model, take the nearest). Without a model: ``gemm_eff`` times
+  a saturating factor of the smallest dimension (the planner's earlier form).
+- Flash attention by sequence length and head dim (`kernels.AttentionModel`), or a
+  calibrated table by length, or the flat ``attn_fwd_eff``/``attn_bwd_eff``.
+- Memory-bound kernels at ``hbm_gbs x mem_eff`` (a STREAM-like copy), the activation-sized
+  elementwise ones at ``elementwise_eff`` of that, dtype casts at ``cast_eff``.
+- Collectives on the link tier of their group (`network.py`, `collectives.py`).
 
-GEMM shape factor: ``eff = gemm_eff * g(min(m, n, k))``, ``g(d) = (d / (d + 128)) /
-(2048 / (2048 + 128))`` capped at 1, under a memory roofline; a calibrated profile looks up
-its nearest measured shape instead.
+`roofline` strips every efficiency: the bound no run can beat, which reports show beside the
+realistic prediction. `hyperloom plan calibrate` measures a profile on the machine at hand
+and saves it as JSON (`load_profile`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperloom.planner.errors import PlanError
+from hyperloom.planner.kernels import AttentionModel, GemmModel, gemm_forms
 
 GIB = 1024**3
 _D_REF, _D_HALF = 2048.0, 128.0
@@ -91,6 +95,20 @@ class HardwareProfile:
     # `calibrate` measures it on CPU (`measure_collectives`, "in step"); 0 where collectives
     # run asynchronously on a device stream (the datasheet profiles, calibrated GPUs).
     collective_wait_us: float = 0.0
+    # Shape-aware kernels (`kernels.py`): the GEMM tile/wave model and the flash-attention
+    # model by length and head dim; None keeps the flat factors above.
+    gemm_model: GemmModel | None = None
+    attn_model: AttentionModel | None = None
+    # The link tiers (`network.TIERS`) of the scale-up fabric and the NICs; "" = plain rings.
+    intra_tier: str = ""
+    inter_tier: str = ""
+    # Where each number comes from: (field, source) pairs (`profiles.py`).
+    sources: tuple[tuple[str, str], ...] = field(default=())
+    # The share of its kernels' isolated speed a training step sustains (clocks under
+    # sustained power, SMs shared with overlapped collectives, gaps between kernels): a
+    # factor on every compute and memory rate (`simulate.effective_profile`). 1 for
+    # calibrated profiles, whose kernels are timed as a step runs them.
+    step_eff: float = 1.0
 
     @property
     def host_memory(self) -> tuple[float, float, float]:
@@ -101,15 +119,28 @@ class HardwareProfile:
     def supports_fp8(self) -> bool:
         return self.fp8_tflops > 0
 
+    def _measured(self, m: float, n: float, k: float) -> float | None:
+        """A calibrated table's efficiency for this shape: the nearest measured one (in log
+        space), which with a GEMM model must match within 5% on every dimension."""
+        if not self.gemm_table:
+            return None
+        key = (math.log(max(m, 1)), math.log(max(n, 1)), math.log(max(k, 1)))
+        shape, eff = min(
+            self.gemm_table,
+            key=lambda e: sum((math.log(a) - b) ** 2 for a, b in zip(e[0], key, strict=True)),
+        )
+        if self.gemm_model is not None:
+            close = all(abs(math.log(a) - b) < 0.05 for a, b in zip(shape, key, strict=True))
+            return eff if close else None
+        return eff
+
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of the BF16 peak a GEMM of this shape reaches (before the roofline)."""
-        if self.gemm_table:
-            key = (math.log(max(m, 1)), math.log(max(n, 1)), math.log(max(k, 1)))
-            best = min(
-                self.gemm_table,
-                key=lambda e: sum((math.log(a) - b) ** 2 for a, b in zip(e[0], key, strict=True)),
-            )
-            return best[1]
+        measured = self._measured(m, n, k)
+        if measured is not None:
+            return measured
+        if self.gemm_model is not None:
+            return self.gemm_model.efficiency(m, n, k)
         d = max(min(m, n, k), 1.0)
         g = (d / (d + _D_HALF)) / (_D_REF / (_D_REF + _D_HALF))
         return self.gemm_eff * min(1.0, g)
@@ -124,6 +155,18 @@ class HardwareProfile:
         moved = (width * (m * k + k * n) + 2 * m * n) * count
         return max(flops / rate, self.memory_time(moved))
 
+    def gemm_times(
+        self, m: float, n: float, k: float, fp8: bool = False, count: float = 1
+    ) -> tuple[float, float, float]:
+        """(forward, data-gradient, weight-gradient) seconds of a linear whose forward is
+        (m x k) @ (k x n): the backward forms are (m x n) @ (n x k) and (n x m) @ (m x k), each
+        at its own shape under the GEMM model; the same time thrice without one."""
+        if self.gemm_model is None:
+            f = self.gemm_time(m, n, k, fp8, count)
+            return f, f, f
+        f, b, w = (self.gemm_time(*shape, fp8, count) for shape in gemm_forms(m, n, k))
+        return f, b, w
+
     def memory_time(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` through device memory at the achievable bandwidth."""
         return nbytes / (self.hbm_gbs * 1e9 * self.mem_eff)
@@ -136,12 +179,22 @@ class HardwareProfile:
         """Seconds of dtype conversions moving `nbytes` (``cast_eff``)."""
         return self.memory_time(nbytes) / self.cast_eff
 
-    def attention_time(self, flops: float, backward: bool = False, seq: float = 0.0) -> float:
-        """Seconds of flash attention's `flops`; a calibrated profile looks up `seq`."""
+    def attention_time(
+        self, flops: float, backward: bool = False, seq: float = 0.0, head_dim: float = 0.0
+    ) -> float:
+        """Seconds of flash attention's `flops`: a calibrated table by `seq`, else the
+        attention model by `seq` and `head_dim`, else the flat factors."""
         fwd, bwd = self.attn_fwd_eff, self.attn_bwd_eff
         if self.attn_table and seq > 0:
             _, fwd, bwd = min(self.attn_table, key=lambda e: abs(math.log(e[0] / seq)))
+        elif self.attn_model is not None and seq > 0:
+            eff = self.attn_model.efficiency(seq, head_dim or 128.0, backward)
+            return flops / (self.bf16_tflops * 1e12 * eff)
         return flops / (self.bf16_tflops * 1e12 * (bwd if backward else fwd))
+
+    def source_of(self, name: str) -> str:
+        """Where the profile's `name` comes from (its ``sources`` entry, or ``source``)."""
+        return next((text for k, text in self.sources if k == name), self.source)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +202,9 @@ class HardwareProfile:
         d["gemm_table"] = [{"m": s[0], "n": s[1], "k": s[2], "eff": e} for s, e in self.gemm_table]
         d["attn_table"] = [{"seq": q, "fwd": f, "bwd": b} for q, f, b in self.attn_table]
         d["collective_scale"] = dict(self.collective_scale)
+        d["gemm_model"] = self.gemm_model.to_dict() if self.gemm_model else None
+        d["attn_model"] = self.attn_model.to_dict() if self.attn_model else None
+        d["sources"] = dict(self.sources)
         return d
 
     @classmethod
@@ -161,84 +217,68 @@ class HardwareProfile:
         table = d.pop("gemm_table", []) or []
         attn = d.pop("attn_table", []) or []
         scale = d.pop("collective_scale", {}) or {}
+        gemm_model, attn_model = d.pop("gemm_model", None), d.pop("attn_model", None)
+        sources = d.pop("sources", {}) or {}
         try:
             rows = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["eff"])) for r in table)
             seqs = tuple((int(r["seq"]), float(r["fwd"]), float(r["bwd"])) for r in attn)
             kinds = tuple(sorted((str(k), float(v)) for k, v in dict(scale).items()))
-            return cls(**d, gemm_table=rows, attn_table=seqs, collective_scale=kinds)
+            return cls(
+                **d,
+                gemm_table=rows,
+                attn_table=seqs,
+                collective_scale=kinds,
+                gemm_model=GemmModel.from_dict(gemm_model) if gemm_model else None,
+                attn_model=AttentionModel.from_dict(attn_model) if attn_model else None,
+                sources=tuple((str(k), str(v)) for k, v in dict(sources).items()),
+            )
         except (TypeError, KeyError, ValueError) as exc:
             raise PlanError(f"bad accelerator profile: {exc}") from None
 
 
-_NV_SOURCE = "NVIDIA datasheet; gemm_eff from stas00/ml-engineering MAMF; see hardware.py"
+def roofline(acc: HardwareProfile) -> HardwareProfile:
+    """`acc` with every efficiency at 1: datasheet peaks for GEMMs and attention, full HBM
+    bandwidth, datasheet links, no latency or host overhead. A plan on it is the bound no run
+    can beat, shown beside the realistic prediction."""
+    return dataclasses.replace(
+        acc,
+        gemm_eff=1.0,
+        gemm_table=(),
+        gemm_model=GemmModel.ideal(),
+        attn_fwd_eff=1.0,
+        attn_bwd_eff=1.0,
+        attn_table=(),
+        attn_model=None,
+        mem_eff=1.0,
+        elementwise_eff=1.0,
+        cast_eff=1.0,
+        intra_eff=1.0,
+        inter_eff=1.0,
+        intra_latency_us=0.0,
+        inter_latency_us=0.0,
+        intra_tier="",
+        inter_tier="",
+        collective_scale=(),
+        layer_overhead_s=0.0,
+        collective_wait_us=0.0,
+        step_eff=1.0,
+    )
 
-PROFILES: dict[str, HardwareProfile] = {
-    # H100 SXM5 80GB: 989.4 BF16 / 1978.9 FP8 dense, HBM3 3.35 TB/s, NVLink4 900 GB/s
-    # bidirectional, DGX H100 8x ConnectX-7 400 Gb/s (one per GPU).
-    "h100": HardwareProfile("h100", 989.4, 1978.9, 80.0, 3350, 792.1 / 989.4, source=_NV_SOURCE),
-    # H200 SXM 141GB: H100 compute, HBM3e 4.8 TB/s.
-    "h200": HardwareProfile("h200", 989.4, 1978.9, 140.0, 4800, 794.5 / 989.4, source=_NV_SOURCE),
-    # A100 SXM4 80GB: 312 BF16, no FP8, HBM2e 2.039 TB/s, NVLink3 600 GB/s bidirectional,
-    # DGX A100 8x ConnectX-6 HDR 200 Gb/s.
-    "a100": HardwareProfile(
-        "a100",
-        312.0,
-        0.0,
-        80.0,
-        2039,
-        267.9 / 312.0,
-        intra_gbs=300.0,
-        nic_gbs=25.0,
-        source=_NV_SOURCE,
-    ),
-    # B200 (DGX B200): 2.25 PF BF16 / 4.5 PF FP8 dense, 180 GB HBM3e at 8 TB/s, NVLink5
-    # 1.8 TB/s bidirectional, 8x ConnectX-7 400 Gb/s.
-    "b200": HardwareProfile(
-        "b200",
-        2250.0,
-        4500.0,
-        179.0,
-        8000,
-        1745.0 / 2250.0,
-        intra_gbs=900.0,
-        source=_NV_SOURCE,
-    ),
-    # MI300X: 1307.4 BF16 / 2614.9 FP8 dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric
-    # links of 64 GB/s each way (448 GB/s), platform NICs 400 Gb/s per GPU.
-    "mi300x": HardwareProfile(
-        "mi300x",
-        1307.4,
-        2614.9,
-        192.0,
-        5300,
-        781.9 / 1300.0,
-        attn_fwd_eff=0.4,
-        attn_bwd_eff=0.3,
-        intra_gbs=448.0,
-        intra_eff=0.7,
-        source="AMD MI300X datasheet; MAMF from stas00/ml-engineering; link effs assumed",
-    ),
-    # MTT S4000: 100 TFLOPS BF16 (FP8 not listed), 48 GB GDDR6 at 768 GB/s, MTLink 240 GB/s
-    # (taken as bidirectional). One 200 Gb/s RoCE NIC per GPU and every efficiency assumed.
-    "mtt-s4000": HardwareProfile(
-        "mtt-s4000",
-        100.0,
-        0.0,
-        48.0,
-        768,
-        0.6,
-        attn_fwd_eff=0.4,
-        attn_bwd_eff=0.3,
-        intra_gbs=120.0,
-        intra_eff=0.7,
-        nic_gbs=25.0,
-        source="Moore Threads S4000 product page; efficiencies are placeholders",
-    ),
-}
+
+def __getattr__(name: str) -> Any:
+    """`PROFILES`, the built-in profiles, live in `profiles.py` (they are data)."""
+    if name == "PROFILES":
+        from hyperloom.planner.profiles import PROFILES
+
+        return PROFILES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
-    """A built-in profile by name, or a saved profile (JSON from `plan calibrate`)."""
+    """A built-in profile by name (`profiles.PROFILES`), or a saved profile (JSON from
+    `plan calibrate`)."""
+    from hyperloom.planner.profiles import PROFILES
+
     key = name_or_path.lower()
     if key in PROFILES:
         return PROFILES[key]

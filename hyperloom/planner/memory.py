@@ -68,11 +68,21 @@ class Memory:
         return self.params + self.grads + self.optimizer
 
     @property
+    def grads_held(self) -> float:
+        """Gradient bytes held at the activation peak."""
+        return self.grads if self.peak_grads is None else self.peak_grads
+
+    @property
+    def activation_peak(self) -> float:
+        """Bytes at the activation peak: the sum of the parts held then (params, the grads
+        held, optimizer, activations, transient, buffers) and the allocator's pages."""
+        run = self.params + self.grads_held + self.optimizer + self.activations
+        return run + self.transient + self.buffers + self.allocator
+
+    @property
     def live(self) -> float:
-        """Peak bytes held by tensors."""
-        grads = self.grads if self.peak_grads is None else self.peak_grads
-        run = self.params + grads + self.optimizer + self.activations + self.transient
-        return max(run + self.buffers, self.step_peak)
+        """Peak bytes held by tensors: the activation peak's or the optimizer step's."""
+        return max(self.activation_peak - self.allocator, self.step_peak)
 
     @property
     def peak(self) -> float:
@@ -85,6 +95,7 @@ class Memory:
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
         d.update(states=self.states, live=self.live, peak=self.peak, reserved=self.reserved)
+        d["activation_peak"] = self.activation_peak
         if self.peak_grads is None:
             d["peak_grads"] = self.grads
         return d

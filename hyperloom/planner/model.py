@@ -129,6 +129,11 @@ class ModelSpec:
             )
         if not self.name:
             object.__setattr__(self, "name", self.config.preset)
+        # read on every cost of a search: computed once (the config is frozen)
+        vision = self.config.family == "vlm"
+        decoder = self.config.vlm_decoder if vision else self.config.family
+        object.__setattr__(self, "_vision", vision)
+        object.__setattr__(self, "_mla", decoder == "deepseek")
         object.__setattr__(self, "freeze", tuple(self.freeze))
         object.__setattr__(self, "_frozen", self._frozen_parts())
         if self.vision:
@@ -145,15 +150,17 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str | None = None) -> ModelSpec:
-        """The spec of a training job's model (`name` defaults to its preset)."""
-        return cls(cfg, name or cfg.preset)
+        """The spec of a training job's model (`name` defaults to its preset), with the
+        expert-parallel load it assumes (`model.moe_imbalance`)."""
+        return cls(cfg, name or cfg.preset, moe_imbalance=cfg.moe_imbalance)
 
     @classmethod
     def from_job(cls, job, name: str | None = None) -> ModelSpec:
         """The spec of a `JobConfig`'s model with its `train.freeze` (one image per sample:
-        see `images_per_sample`)."""
+        see `images_per_sample`) and `model.moe_imbalance`."""
         freeze = tuple(getattr(job.train, "freeze", ()) or ())
-        return cls(job.model, name or job.model.preset, freeze=freeze)
+        model = job.model
+        return cls(model, name or model.preset, freeze=freeze, moe_imbalance=model.moe_imbalance)
 
     # ------------------------------------------------------------------ frozen parts
     def _frozen_parts(self) -> frozenset[str]:
@@ -198,7 +205,7 @@ class ModelSpec:
     @property
     def vision(self) -> bool:
         """A vision-language model: encoder and projector before the decoder."""
-        return self.family == "vlm"
+        return self._vision  # type: ignore[attr-defined]
 
     def _check_vision(self) -> None:
         c = self.config
@@ -327,7 +334,8 @@ class ModelSpec:
 
     @property
     def mla(self) -> bool:
-        return self.decoder_family == "deepseek"
+        """The DeepSeek decoder (MLA, MoE, MTP), also as a vlm's decoder."""
+        return self._mla  # type: ignore[attr-defined]
 
     @property
     def n_moe_layers(self) -> int:
@@ -515,6 +523,7 @@ class Layer:
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
     expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
+    head_dim: float = 0.0  # the attention's query/key head dim (its kernel's efficiency)
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
     # elements of the rows through this rank's routed experts, rows x dim (one MoE layer,
     # `moe_imbalance` included at ep > 1): what expert tensor parallelism without sp
@@ -650,6 +659,7 @@ def build_layer(
         cp_a2a=(tokens * q / t, kv_a2a, kv_a2a, tokens * q / t),
         grad_out_bytes=grad_out,
         seq=seq,
+        head_dim=spec.head_dim,
         cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,
         cast_sum_elements=(qkv_copies + fc1_copies - 2) * x_full if per_op_casts else 0.0,
     )
@@ -722,6 +732,7 @@ def build_vision_block(
         cp_a2a=(0.0, 0.0, 0.0, 0.0),
         grad_out_bytes=A * rows * (3 * d / t + 2 * d + f / t),
         seq=n,
+        head_dim=spec.vision_dim / spec.vision_heads,
         cast_elements=(qkv_copies + 1) * x if per_op_casts else 0.0,
         cast_sum_elements=(qkv_copies - 1) * x if per_op_casts else 0.0,
     )
@@ -896,6 +907,7 @@ def _build_deepseek_layer(
         cp_a2a=(tokens * q_dim / t, tokens * q_dim / t, tokens * v_dim / t, tokens * v_dim / t),
         grad_out_bytes=grad_out,
         seq=seq,
+        head_dim=qk,
         moe_fraction=wm,
         expert_act_bytes=expert_act,
         dispatch_bytes=dispatch,

@@ -62,6 +62,8 @@ def plans_table(plans: list[Plan], title: str) -> Table:
         "bubble",
         "peak GiB",
         "reserved GiB",
+        "roofline step",
+        "roofline MFU",
     ]
     for c in cols:
         t.add_column(c, justify="left" if c in ("schedule", "recompute") else "right")
@@ -86,8 +88,28 @@ def plans_table(plans: list[Plan], title: str) -> Table:
             f"{p.bubble_fraction:.1%}",
             f"{p.peak_memory / GIB:.1f}",
             f"{p.reserved_memory / GIB:.1f}" + ("" if p.fits else " (!)"),
+            _fmt_time(p.roofline_step_time) if p.roofline_step_time else "-",
+            f"{p.roofline_mfu:.1%}" if p.roofline_step_time else "-",
         )
     return t
+
+
+def roofline_note(plan: Plan) -> str:
+    """What the step and the roofline columns mean, with this plan's numbers."""
+    acc = plan.cluster.profile
+    text = (
+        f"step and MFU are the realistic prediction ({acc.name}: kernels by shape, links by "
+        "tier, every number's source in the profile)"
+    )
+    if plan.runtime.efficiency != 1.0:
+        text += f", scaled by --efficiency {plan.runtime.efficiency:g}"
+    if plan.roofline_step_time:
+        text += (
+            f"; roofline = the bound with every efficiency at 1: "
+            f"{_fmt_time(plan.roofline_step_time)}, MFU {plan.roofline_mfu:.1%} "
+            f"(the prediction is {plan.step_time / plan.roofline_step_time:.2f}x it)"
+        )
+    return text
 
 
 def breakdown_table(plan: Plan) -> tuple[Table, Table]:
@@ -106,17 +128,26 @@ def breakdown_table(plan: Plan) -> tuple[Table, Table]:
     m = Table(
         title=f"memory per pipeline rank, GiB (usable {plan.capacity / GIB:.1f})",
         title_style="bold",
-        caption="peak = max(the parts up to buffers, with the grads held at the activation "
-        "peak; step peak: params, grads, optimizer at the update) + allocator",
+        caption="act. peak = the sum of the parts (held at the activation peak: the grads "
+        "column is those held then); step peak = params, all grads, optimizer and the "
+        "update's copies; peak = the larger",
     )
-    cols = (*MEMORY_PARTS[:2], "peak_grads", *MEMORY_PARTS[2:], "step_peak", "peak", "reserved")
-    names = {"peak_grads": "grads at act. peak", "step_peak": "step peak"}
+    cols = (*MEMORY_PARTS, "activation_peak", "step_peak", "peak", "reserved")
+    names = {"activation_peak": "act. peak", "step_peak": "step peak"}
     for c in ("rank", *cols):
         m.add_column(names.get(c, c), justify="right")
     for r, mem in enumerate(plan.memory):
-        d = mem.to_dict()
-        m.add_row(str(r), *(f"{d[k] / GIB:.2f}" for k in cols))
+        m.add_row(str(r), *(f"{v / GIB:.2f}" for v in memory_row(mem)))
     return t, m
+
+
+def memory_row(mem) -> list[float]:
+    """One rank's memory table row, bytes: the parts at the activation peak (grads: those
+    held then), their sum, the step peak (with the allocator's pages), the peak, reserved."""
+    parts = [getattr(mem, p) for p in MEMORY_PARTS]
+    parts[MEMORY_PARTS.index("grads")] = mem.grads_held
+    step = mem.step_peak + mem.allocator
+    return [*parts, mem.activation_peak, step, mem.peak, mem.reserved]
 
 
 def write_json(

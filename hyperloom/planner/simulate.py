@@ -51,7 +51,7 @@ from hyperloom.planner.costs import (
     shared_grad_groups,
 )
 from hyperloom.planner.errors import PlanError
-from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile
+from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile, roofline
 from hyperloom.planner.memory import LayerMemory, Memory, cp_buffer, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
 from hyperloom.planner.strategy import RUNTIMES, Runtime, Strategy, check
@@ -79,6 +79,9 @@ class Plan:
     simulated_microbatches: int
     sim: SimResult | None = field(default=None, repr=False)
     rank_breakdown: list[dict[str, float]] = field(default_factory=list, repr=False)
+    # the same strategy at the roofline (`with_roofline`): the bound no run can beat
+    roofline_step_time: float = 0.0
+    roofline_mfu: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,6 +126,11 @@ class Plan:
                 {k: v / GIB for k, v in m.to_dict().items()} for m in self.memory
             ],
             "simulated_microbatches": self.simulated_microbatches,
+            **(
+                {"roofline_step_time_s": self.roofline_step_time, "roofline_mfu": self.roofline_mfu}
+                if self.roofline_step_time
+                else {}
+            ),
         }
 
 
@@ -167,12 +175,19 @@ def _sim_points(s: Strategy) -> tuple[int, int] | None:
 
 
 def effective_profile(cluster: Cluster, rt: Runtime) -> HardwareProfile:
-    """The accelerator as the runtime uses it: compute and memory rates times
-    `Runtime.efficiency` (1 = the roofline of `hardware.py`)."""
-    acc = cluster.profile
-    if rt.efficiency == 1.0:
+    """The accelerator as a training step uses it: compute and memory rates times the
+    profile's ``step_eff`` (what a step sustains of its kernels' isolated speed) and
+    `Runtime.efficiency` (a further factor a user may give; 1 by default)."""
+    return _scaled_profile(cluster.profile, rt.efficiency)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_profile(acc: HardwareProfile, efficiency: float) -> HardwareProfile:
+    """`effective_profile`, one object per (profile, efficiency): the layer-cost caches
+    (`costs.gemm_passes`) find it again."""
+    e = efficiency * acc.step_eff
+    if e == 1.0:
         return acc
-    e = rt.efficiency
     return dataclasses.replace(acc, bf16_tflops=acc.bf16_tflops * e, hbm_gbs=acc.hbm_gbs * e)
 
 
@@ -553,3 +568,14 @@ def predict(
         sim=None if points else results[0],
         rank_breakdown=parts,
     )
+
+
+def with_roofline(plan: Plan, fast: bool = True) -> Plan:
+    """`plan` with its roofline bound filled in: the same strategy on `hardware.roofline` of its
+    profile (datasheet peaks, full HBM and link bandwidth, no latency or host overhead) at
+    efficiency 1 -- the step no run can beat. Reports show it beside the realistic step."""
+    cluster = dataclasses.replace(plan.cluster, profile=roofline(plan.cluster.profile))
+    rt = dataclasses.replace(plan.runtime, efficiency=1.0)
+    bound = predict(plan.model, cluster, plan.strategy, plan.seq, rt, fast=fast)
+    plan.roofline_step_time, plan.roofline_mfu = bound.step_time, bound.mfu
+    return plan

@@ -85,13 +85,17 @@ class Runtime:
     zero1_step_extra: float = 80.0 - 28.0 + 8.0 + 8.0
     zero1_publish_bytes: float = 12.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
-    param_gather_bytes: int = 4  # zero 1 all-gathers the updated params in this width
+    # zero 1 all-gathers the updated params in this width, zero 3 (FSDP2) each block's
+    # params before use (`Runtime.from_job`: 2 under `parallel.fsdp_param_dtype = bf16`)
+    param_gather_bytes: int = 4
     grad_reduce_bytes: int = 4
     # bytes per element of the activations sent between pipeline stages: FP32 in hyperloom's
     # executor (the residual stream of FP32 parameters under autocast), BF16 in Megatron's
     p2p_bytes: int = 4
     bucket_mb: float = 25.0  # the last gradient bucket is never hidden
-    efficiency: float = 1.0  # achieved fraction of the compute roofline (fitted: docs)
+    # a factor on every compute rate beyond the profile's own `step_eff` (1: the profile's
+    # realistic rates; `--efficiency`)
+    efficiency: float = 1.0
     ep_overlap: float = 0.0  # fraction of the EP all-to-all hidden behind expert compute
     ep_pair_hidden: float = 0.0  # ... hidden inside an overlapped F&B pair (see docstring)
     a2a_node_dedup: bool = False  # one network copy per destination node (DeepEP)
@@ -126,7 +130,9 @@ class Runtime:
         operator); FP8 layers save their inputs' FP8 copies under `precision.fp8_activation`,
         and per-tensor recipes (current, delayed) whenever their weight-gradient GEMM is FP8
         (`engine.fp8.modules`): with the forward and weight-gradient GEMMs both in high
-        precision nothing is quantized to keep. A job trained in FP32 keeps FP32 activations."""
+        precision nothing is quantized to keep. A job trained in FP32 keeps FP32 activations.
+        FSDP2's gathers and reductions move `parallel.fsdp_param_dtype` / `fsdp_reduce_dtype`
+        (FP32 unless set; both need zero = 3)."""
         ops, p8 = job.ops, job.precision
         fused = (ops.fused and "cross_entropy" not in ops.reference) or job.parallel.tp > 1
         high = set(p8.fp8_high_precision)
@@ -134,6 +140,12 @@ class Runtime:
         per_tensor = p8.fp8 in ("current", "delayed") and "wgrad" not in high
         copies = quantized and (p8.fp8_activation or per_tensor)
         rt = job_runtime(fused_cross_entropy=fused, fp8_saved_inputs=copies)
+        widths, par = {"fp32": 4, "bf16": 2}, job.parallel
+        rt = dataclasses.replace(
+            rt,
+            param_gather_bytes=widths[par.fsdp_param_dtype],
+            grad_reduce_bytes=widths[par.fsdp_reduce_dtype],
+        )
         if p8.dtype == "fp32":  # no autocast: FP32 activations, no casts
             rt = dataclasses.replace(
                 rt, act_width=4.0, autocast_per_op=False, autocast_weight_copy=False
@@ -283,6 +295,11 @@ class Strategy:
         without routed experts); the schedule kind, chunks per rank, recompute policy and FP8
         from the job unless given."""
         par, tr = job.parallel, job.train
+        if par.dp_replicate > 1:
+            raise PlanError(
+                f"parallel.dp_replicate = {par.dp_replicate}: the planner costs FSDP2 sharded "
+                f"over all of dp x cp, not HSDP; plan with parallel.dp_replicate = 1"
+            )
         if recompute is None:
             recompute = tr.recompute
             if tr.recompute_layers and recompute != "none":

@@ -142,13 +142,13 @@ def tower_phase(
 def _zero3(
     spec: ModelSpec, s: Strategy, links: Links, rt: Runtime, one: Phase, vision: bool
 ) -> Phase:
-    """ZeRO-3's gathers of the trainable encoder blocks (BF16, per block each way) and,
-    without unsharded accumulation, their gradients' reduce-scatters; frozen parameters
-    stay whole (`models.freeze`)."""
+    """ZeRO-3's gathers of the trainable encoder blocks (per block each way, in
+    `Runtime.param_gather_bytes` per element) and, without unsharded accumulation, their
+    gradients' reduce-scatters; frozen parameters stay whole (`models.freeze`)."""
     if s.zero != 3 or s.dcp <= 1 or not vision:
         return Phase()
     p = spec.vision_block_params(s.tp)
-    gather = collective_time("all_gather", s.dcp, 2.0 * p, links.dp)
+    gather = collective_time("all_gather", s.dcp, rt.param_gather_bytes * p, links.dp)
     f = _exposed(gather, one.f, rt.fsdp_overlap)
     b = _exposed(gather, one.b, rt.fsdp_overlap)
     if not rt.fsdp_unsharded_accumulation:

@@ -19,6 +19,7 @@ from hyperloom.planner.costs import context_comm, layer_phase, links_for
 from hyperloom.planner.hardware import get_profile
 from hyperloom.planner.memory import LayerMemory, cp_buffer, rank_memory
 from hyperloom.planner.model import build_layer
+from hyperloom.planner.network import TIERS
 from hyperloom.planner.report import plans_table
 from hyperloom.planner.search import candidates
 from hyperloom.planner.selfcheck import cpu_runtime
@@ -86,7 +87,9 @@ def test_ring_hides_each_exchange_behind_its_step_until_the_link_is_slow():
     tokens = seq / cp
     elements = tokens * 2 * MHA16.dim  # K and V of the local tokens
     assert layer.cp_kv == elements
-    bw, lat = 450e9 * 0.8, 1.5e-6  # h100 NVLink x efficiency, latency
+    # h100 NVLink x the all-reduce's efficiency x the tier's p2p factor, latency
+    bw = H100.intra_gbs * 1e9 * H100.intra_eff * TIERS["nvlink"].efficiency("p2p")
+    lat = 1.5e-6
     kv, dkv = lat + 2 * elements / bw, lat + 4 * elements / bw  # BF16 K/V, FP32 dK/dV
     attn_f = H100.attention_time(layer.attn_flops, seq=seq)
     attn_b = H100.attention_time(2.5 * layer.attn_flops, backward=True, seq=seq)
@@ -98,7 +101,7 @@ def test_ring_hides_each_exchange_behind_its_step_until_the_link_is_slow():
 
     slow = Cluster(dataclasses.replace(H100, intra_gbs=1.0), 8, 8)
     layer, links, phase = _phase(MHA16, s, seq, slow)
-    bw = 1e9 * 0.8
+    bw = 1e9 * H100.intra_eff * TIERS["nvlink"].efficiency("p2p")
     kv, dkv = lat + 2 * elements / bw, lat + 4 * elements / bw
     f, b = attn_f / cp, attn_b / cp
     assert kv > b  # the link is slower than any step

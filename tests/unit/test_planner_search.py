@@ -207,5 +207,7 @@ def test_plan_help_lists_the_subcommands_and_calibrate_gets_the_trainers_probe(m
     args = parser.parse_args(["plan", "calibrate", "--quick", "--out", "x.json"])
     assert args.func(args) == 0 and args.quick and args.out == "x.json"
     assert seen["probe"] is top._runtime_memory  # the CLI hands the planner the trainer's probe
-    with pytest.raises(SystemExit):
-        parser.parse_args(["plan", "predict"])  # predict needs a CONFIG
+    args = parser.parse_args(["plan", "predict"])  # predict needs a CONFIG or model flags
+    args.overrides = []
+    with pytest.raises(PlanError, match="needs a job CONFIG or the model as flags"):
+        args.func(args)

@@ -23,6 +23,8 @@ CPU = dataclasses.replace(
     intra_gbs=2.0,
     intra_latency_us=100.0,
     gpus_per_node=2,
+    intra_tier="",  # a calibrated CPU profile: plain rings with measured factors
+    inter_tier="",
 )
 
 

@@ -44,8 +44,9 @@ def test_korthikanti_iteration_times_within_15_percent(korthikanti):
 
 
 def test_megatron_h100_fit_and_held_out_rows():
+    # the h100 profile's step_eff is this fit, made once: refitted on top it stays about 1
     eff = pub.fit_efficiency(fast=True)
-    assert 0.7 < eff < 0.9
+    assert 0.95 < eff < 1.05
     rows = [row for row, _ in pub.megatron_h100({"efficiency": eff}, fast=True)]
     fitted = [r for r in rows if r.case in pub.FIT_ROWS]
     held = [r for r in rows if r.case not in pub.FIT_ROWS]
@@ -55,17 +56,51 @@ def test_megatron_h100_fit_and_held_out_rows():
     assert sum(abs(r.error) for r in held) / len(held) < 0.15
 
 
-def test_megatron_h100_a_priori_is_optimistic_where_communication_is_hidden():
-    rows = {row.case: row for row, _ in pub.megatron_h100(fast=True)}
-    # the roofline with datasheet numbers over-predicts MFU (efficiency 1 is an upper bound)
-    # everywhere except 32B, whose exposed 16 GB gradient reduce-scatter we over-charge
-    assert all(r.error > 0 for case, r in rows.items() if case != "32B")
-    assert rows["32B"].error < 0
+def test_megatron_h100_roofline_is_a_bound_and_the_prediction_is_not():
+    from hyperloom.planner.simulate import with_roofline
+
+    pairs = pub.megatron_h100(fast=True)
+    # the roofline (every efficiency 1) over-predicts MFU on every row (by 7% on 32B, whose
+    # exposed gradient reduce-scatter stays at the roofline, 30% or more elsewhere)
+    for row, plan in pairs:
+        bound = with_roofline(plan).roofline_mfu
+        assert bound > (1.05 if row.case == "32B" else 1.3) * row.published, row.case
+    # the realistic prediction is within 25% everywhere (32B: its exposed 16 GB gradient
+    # reduce-scatter on one NIC per GPU, which Megatron evidently hides, is the worst)
+    errors = {row.case: row.error for row, _ in pairs}
+    assert max(abs(e) for e in errors.values()) < 0.25
+    assert min(errors, key=errors.get) == "32B"
 
 
 def test_llama3_405b_mfu_within_15_percent():
-    rows = pub.llama3_405b(fast=True)
+    rows = pub.llama3_405b(fast=True)  # no recomputation, as the report describes
     assert len(rows) == 3
     for row, plan in rows:
-        assert plan.fits
+        assert plan.strategy.recompute == "none"
         assert abs(row.error) < 0.15, (row.case, row.predicted, row.published)
+    # our memory model (every saved tensor of every in-flight micro-batch) needs full
+    # recomputation to fit them, which under-predicts: the policy is the largest unknown
+    fitting = pub.llama3_405b(fast=True, policies=pub.LLAMA3_FITTING)
+    assert all(p.fits and p.strategy.recompute == "full" for _, p in fitting)
+    assert all(f.error < r.error for (f, _), (r, _) in zip(fitting, rows, strict=True))
+
+
+def test_held_out_nvidia_runs_meet_the_issue_targets():
+    """NVIDIA's Megatron-Core FP8 runs on H100 and B200, never used to set a planner number:
+    mean |error| of the step time within 8%, every row within 10% (measured: 6.1% mean,
+    -8.2%..+8.2%)."""
+    rows = [r for r, _ in pub.nemo_fp8(fast=True)]
+    assert len(rows) == 13 and {r.case.split()[0] for r in rows} == {"h100", "b200"}
+    errors = [abs(r.error) for r in rows]
+    assert sum(errors) / len(errors) < 0.08
+    assert max(errors) < 0.10, [(r.case, round(r.error, 3)) for r in rows]
+
+
+def test_held_out_torchtitan_a100_is_predicted_fast_and_says_so():
+    """torchtitan's eager FSDP2 runs on 64 A100s miss the targets: every step predicted
+    12-21% fast even with the eager elementwise bytes (FSDP2's copies and host overhead are
+    not modelled; docs/planner.md). Pinned so that a change in either direction shows."""
+    eager = [r for r, _ in pub.torchtitan_a100(fast=True)]
+    fused = [r for r, _ in pub.torchtitan_a100(fast=True, eager=False)]
+    for e, f in zip(eager, fused, strict=True):
+        assert -0.25 < f.error < e.error < -0.10, (e.case, e.error, f.error)

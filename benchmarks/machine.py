@@ -126,3 +126,30 @@ def write_results(path: str | Path, payload: dict[str, Any]) -> None:
     text = json.dumps(payload, indent=2, default=str) + "\n"
     text = text.replace(sys.executable, "python").replace(root, "")
     Path(path).write_text(text.replace(tmp + "/", "$TMPDIR/"))
+
+
+def timed_train(
+    config: Path, run_dir: Path, args: list[str], cache: Path | None = None
+) -> tuple[float, dict[str, Any], str, float | None]:
+    """`python -m hyperloom train CONFIG --run-dir RUN_DIR ARGS` as a user runs it, timed from
+    start to exit; `cache` a fresh data/planner cache (a first run on a new machine). Returns
+    (wall s, summary.json, stderr, the machine's busy cores during the run, ours included);
+    SystemExit with the stderr tail if it fails."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "HYPERLOOM_CACHE": str(cache)} if cache else None
+    cmd = [sys.executable, "-m", "hyperloom", "train", str(config), "--run-dir", str(run_dir),
+           "--logging.progress", "false", *args]  # fmt: skip
+    before = cpu_seconds()
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    after = cpu_seconds()
+    busy = (after[0] - before[0]) / wall if before and after else None
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return wall, summary, result.stdout + result.stderr, busy

@@ -11,12 +11,8 @@ run's `vlm_eval.png` copied beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import machine
@@ -26,25 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_once(seed: int, work: Path, cold_cache: bool, extra: list[str]) -> dict:
     run_dir = work / f"seed{seed}"
-    env = None
-    if cold_cache:
-        import os
-
-        env = {**os.environ, "HYPERLOOM_CACHE": str(work / f"cache{seed}")}
-    cmd = [sys.executable, "-m", "hyperloom", "train", str(ROOT / "configs" / "vlm-tiny.toml"),
-           "--run-dir", str(run_dir), "--train.seed", str(seed), "--logging.progress", "false",
-           *extra]  # fmt: skip
-    other = machine.cpu_seconds()
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"seed {seed} failed:\n{result.stderr[-3000:]}")
-    after = machine.cpu_seconds()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    busy = None
-    if other and after:  # the machine's busy CPU-seconds per second of the run (ours included)
-        busy = (after[0] - other[0]) / wall
+    wall, summary, output, busy = machine.timed_train(
+        ROOT / "configs" / "vlm-tiny.toml",
+        run_dir,
+        ["--train.seed", str(seed), *extra],
+        work / f"cache{seed}" if cold_cache else None,
+    )
     return {
         "seed": seed,
         "command_wall_s": wall,
@@ -55,7 +38,7 @@ def run_once(seed: int, work: Path, cold_cache: bool, extra: list[str]) -> dict:
         "initial_val_loss": summary["initial_val_loss"],
         "final_val_loss": summary["final_val_loss"],
         "vlm_eval": summary["vlm_eval"],
-        "skipped_updates": result.stderr.count("skip: dropped the update"),
+        "skipped_updates": output.count("skip: dropped the update"),
         "run_dir": run_dir,
     }
 

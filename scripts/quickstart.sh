@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-hyperloom train configs/tiny.toml "$@"
+hyperloom train configs/quickstart.toml "$@"

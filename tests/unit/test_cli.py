@@ -36,6 +36,7 @@ def test_model_info_table_lists_every_preset(cli):
         "deepseek-v3",
         "deepseek-v2-lite",
         "moe-tiny",
+        "quickstart",
         "llava-1.5-7b",
         "vlm-tiny",
     }

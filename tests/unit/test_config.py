@@ -154,7 +154,7 @@ BAD: dict[str, tuple[str | None, list[str], str]] = {
         None,
         ["--model.preset", "llama9"],
         "model.preset: unknown preset 'llama9'; known presets: tiny, deepseek-v3, "
-        "deepseek-v2-lite, moe-tiny, llama3-8b, llama3-70b, llama3-405b",
+        "deepseek-v2-lite, moe-tiny, quickstart, llama3-8b, llama3-70b, llama3-405b",
     ),
     "text_source_without_paths": (
         None,
@@ -664,3 +664,14 @@ def test_a_saved_config_loads_without_its_hf_directory(tmp_path):
     partial = {k: v for k, v in full.items() if k != "dim"}
     with pytest.raises(ConfigError, match="model.preset"):
         config_from_dict({"model": partial}, world_size=1)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "tiny", "vlm-tiny"])
+def test_one_process_configs_load(name):
+    """The configs a user runs first load and validate as written (quickstart.sh's job)."""
+    from hyperloom.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / f"{name}.toml", world_size=1)
+    assert cfg.data.seq_len <= cfg.model.max_seq_len
+    if name == "quickstart":
+        assert cfg.model.preset == "quickstart" and cfg.model.vocab_size == 8192

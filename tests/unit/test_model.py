@@ -51,6 +51,7 @@ def test_preset_names():
         "deepseek-v3",
         "deepseek-v2-lite",
         "moe-tiny",
+        "quickstart",
         "llama3-8b",
         "llama3-70b",
         "llama3-405b",
@@ -76,6 +77,7 @@ def test_param_count_matches_meta_model_and_formula(name, tied, qk_norm):
         ("llama3-70b", 70_553_706_496),
         ("llama3-405b", 405_853_388_800),
         ("tiny", 22_025_088),
+        ("quickstart", 7_342_336),
     ],
 )
 def test_released_model_sizes(name, expected):

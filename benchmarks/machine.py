@@ -153,3 +153,15 @@ def timed_train(
     busy = (after[0] - before[0]) / wall if before and after else None
     summary = json.loads((run_dir / "summary.json").read_text())
     return wall, summary, result.stdout + result.stderr, busy
+
+
+def train_runs_parser(doc: str, default_seed: str) -> Any:
+    """The arguments of a benchmark that times `hyperloom train` once per seed (`timed_train`):
+    --seeds, --json, and extra `--section.key value` overrides; the caller adds its own."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--seeds", default=default_seed, help="comma-separated train.seed values")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("extra", nargs="*", help="more --section.key value overrides")
+    return ap

@@ -9,7 +9,6 @@ spent outside training, the sample, and the planner's self-check; writes them to
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -61,11 +60,8 @@ def table(runs: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="1234", help="comma-separated train.seed values")
+    ap = machine.train_runs_parser(__doc__, "1234")
     ap.add_argument("--warm-cache", action="store_true", help="reuse this machine's caches")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("extra", nargs="*", help="more --section.key value overrides")
     args = ap.parse_args()
     waited = machine.wait_for_quiet()
     runs = []

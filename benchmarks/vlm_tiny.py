@@ -10,7 +10,6 @@ run's `vlm_eval.png` copied beside it.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 from pathlib import Path
@@ -62,11 +61,8 @@ def table(runs: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="0", help="comma-separated train.seed values")
+    ap = machine.train_runs_parser(__doc__, "0")
     ap.add_argument("--cold-cache", action="store_true", help="a fresh data cache per run")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("extra", nargs="*", help="more --section.key value overrides")
     args = ap.parse_args()
     waited = machine.wait_for_quiet()
     runs = []

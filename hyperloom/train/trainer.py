@@ -145,6 +145,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
+        self._measured: tuple[float, float] | None = None  # run(): step s, peak bytes
         self.guard = Guard(self)  # anomaly checks, recovery, checkpoint writer, watchdog
 
     def _build_data(self) -> DataBundle:

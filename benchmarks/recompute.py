@@ -167,8 +167,12 @@ def check(rows: list[dict], runs: dict, console: Console) -> dict:
         )
     console.print(table)
     policies = [r for r in rows if r["policy"] != "auto"]
-    by_measured = [r["policy"] for r in sorted(policies, key=lambda r: -r["measured_peak_memory_gb"])]
-    by_predicted = [r["policy"] for r in sorted(policies, key=lambda r: -r["predicted_peak_memory_gb"])]
+    by_measured = [
+        r["policy"] for r in sorted(policies, key=lambda r: -r["measured_peak_memory_gb"])
+    ]
+    by_predicted = [
+        r["policy"] for r in sorted(policies, key=lambda r: -r["predicted_peak_memory_gb"])
+    ]
     within = [r["policy"] for r in policies if abs(r["memory_error"]) <= 0.10]
     auto = runs["auto"]
     chosen = auto["auto"]["policy_by_stage"][0]

@@ -19,7 +19,9 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
   Ulysses (alltoall): q, k, v and the output all-to-all'd each way, nothing hidden;
 - ZeRO-3: each layer's parameters gathered forward and backward, `Runtime.param_gather_bytes`
   per element (hyperloom's FSDP2 gathers its FP32 parameters unless `parallel.fsdp_param_dtype`
-  is bf16; Megatron gathers BF16; `zero3_gather_groups`);
+  is bf16; Megatron gathers BF16; `zero3_gather_groups`), over one HSDP replica group when
+  `Strategy.dp_replicate` > 1; the root module's (embedding, head) once per micro-batch,
+  exposed (`root_gather`);
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
   gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside overlapped FB
@@ -30,7 +32,8 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
   FFN block's sp gather and reduce-scatter over tp carry them); without sp an all-reduce
   over e of the routed rows' outputs forward and of their input gradient backward, at any ep.
 
-Per step (`dp_sync`): the dp gradient reduction per ZeRO mode, minus what the runtime overlaps
+Per step (`dp_sync`): the dp gradient reduction per ZeRO mode (HSDP: the reduce-scatter over
+a replica group, then the all-reduce of its shard across the groups), minus what the runtime overlaps
 (the last bucket always exposed), expert gradients over their own group, with sp and
 etp < tp the routed experts' gradients summed over the tp / etp ranks holding the same slices
 (exposed), then Adam as memory traffic over the rank's state.
@@ -71,6 +74,8 @@ class Links:
     edp: Link | None = None  # the expert-data-parallel group (expert gradients)
     a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
     cp_a2a: AllToAll = AllToAll()  # Ulysses' all-to-all over the cp group
+    shard: Link | None = None  # HSDP: one replica group (FSDP2's shard group); else `dp`
+    replicate: Link | None = None  # HSDP: the ranks holding the same shards
 
 
 def expert_strides(s: Strategy, st: dict[str, int]) -> tuple[int, int]:
@@ -92,6 +97,13 @@ def links_for(cluster: Cluster, s: Strategy, spec: ModelSpec | None = None, dedu
         pp=p2p_link(cluster, s.pp, st["pp"]),
         cp_a2a=all_to_all_cost(cluster, s.cp, st["cp"]),
     )
+    if s.dp_replicate > 1:  # replica groups: consecutive runs of the folded dp x cp line
+        inner, n = expert_strides(s, st)[0], s.fsdp_shard
+        links = dataclasses.replace(
+            links,
+            shard=group_link(cluster, n, inner),
+            replicate=group_link(cluster, s.dp_replicate, inner * n),
+        )
     e = s.etp_size
     if e != s.tp:  # consecutive runs of e ranks inside each tp group
         links = dataclasses.replace(
@@ -181,6 +193,8 @@ def zero3_gather_groups(spec: ModelSpec, s: Strategy) -> list[tuple[float, int, 
     ep > 1 its local experts over the expert-data-parallel group instead; routed experts
     split over etp ranks, not tp."""
     t, e = s.tp, s.etp_size
+    if s.dp_replicate > 1:  # HSDP (no experts): gathered over one replica group
+        return [(spec.layer_params() / t, s.fsdp_shard, "shard")]
     if e == t:
         groups = [(spec.layer_params() / t, s.dcp, "dp")]
         if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
@@ -193,6 +207,38 @@ def zero3_gather_groups(spec: ModelSpec, s: Strategy) -> list[tuple[float, int, 
     if s.ep > 1:
         return [(dense, s.dcp, "dp"), (routed / e / s.ep, s.edp, "edp")]
     return [(dense + routed / e, s.dcp, "dp")]
+
+
+def root_gather(spec: ModelSpec, s: Strategy, rt: Runtime, links: Links, last: bool) -> Phase:
+    """FSDP2's gather of the root module's parameters on one chunk, once per micro-batch
+    forward before anything can run (exposed): the embedding (`last=False`) or the final
+    norm and an untied head (`last=True`); 0 unless ZeRO-3 shards over several ranks."""
+    if s.zero != 3 or s.dcp <= 1:
+        return Phase()
+    params = spec.embedding_params() / s.tp
+    if last:
+        params = spec.dim + (0.0 if spec.tie_embeddings else params)
+    link = links.shard if links.shard is not None else links.dp
+    t = collective_time("all_gather", s.fsdp_shard, rt.param_gather_bytes * params, link)
+    return Phase(f=t, dp_comm=t)
+
+
+def fsdp2_copy_time(
+    gathered: float, s: Strategy, acc: HardwareProfile, rt: Runtime
+) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP2's copies on the compute stream for one layer and
+    micro-batch, `gathered` the elements one gather brings (PyTorch's `_fully_shard`:
+    `FSDPParamGroup.wait_for_unshard` runs `foreach_all_gather_copy_out` on the current
+    stream, and `foreach_reduce` runs `foreach_reduce_scatter_copy_in` there before handing
+    the reduce-scatter to its own stream). Each gather (forward, and backward's re-gather)
+    copies the gathered buffer into the parameters (read and write at the gather width);
+    each reduction copies the unsharded gradients (gather width) into the reduce-scatter
+    input (reduce width), once per step under unsharded accumulation. The all-gather's
+    copy-in runs on its own stream, hidden."""
+    out = acc.memory_time(2.0 * rt.param_gather_bytes * gathered)
+    rs_in = acc.memory_time((rt.param_gather_bytes + rt.grad_reduce_bytes) * gathered)
+    per_mb = 1.0 / s.microbatches if rt.fsdp_unsharded_accumulation else 1.0
+    return out, out + rs_in * per_mb
 
 
 def layer_phase(
@@ -243,10 +289,12 @@ def layer_phase(
     tp_b = _exposed(grad_pass, gemm_b, rt.tp_overlap)
     tp_w = _exposed(regather, gemm_w, rt.tp_overlap)
     cp_f, cp_b = context_comm(layer, s, links, rt, attn_f, attn_b)
-    dp_f = dp_b = 0.0
+    dp_f = dp_b = copy_f = copy_b = 0.0
     if s.zero == 3 and s.dcp > 1:
         groups = [(p, n, getattr(links, lk)) for p, n, lk in zero3_gather_groups(spec, s)]
         width = rt.param_gather_bytes
+        if rt.fsdp2_copies:  # on the compute stream (`fsdp2_copy_time`)
+            copy_f, copy_b = fsdp2_copy_time(sum(p for p, _, _ in groups), s, acc, rt)
         gather = sum(collective_time("all_gather", n, width * p, lk) for p, n, lk in groups)
         dp_f = _exposed(gather, gemm_f + attn_f, rt.fsdp_overlap)
         dp_b = _exposed(gather, gemm_b + attn_b, rt.fsdp_overlap)
@@ -272,19 +320,19 @@ def layer_phase(
         weight_cast = acc.cast_time(6.0 * sum(g.n * g.k * g.count for g in layer.gemms))
     cast_f = acc.cast_time(6.0 * layer.cast_elements) + weight_cast
     cast_b = acc.cast_time(6.0 * layer.cast_elements + 12.0 * layer.cast_sum_elements)
-    f = gemm_f + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3
+    f = gemm_f + attn_f + elem_f + cast_f + tp_f + cp_f + dp_f + ep_f + host / 3 + copy_f
     if not backward:
         return Phase(
             f=f,
-            compute=gemm_f + attn_f + elem_f + cast_f + host / 3,
+            compute=gemm_f + attn_f + elem_f + cast_f + host / 3 + copy_f,
             tp_comm=tp_f,
             cp_comm=cp_f,
             dp_comm=dp_f,
             ep_comm=ep_f,
         )
     full, mods = parse_recompute(s.recompute)
-    if full:
-        recompute = f
+    if full:  # the checkpointed block again, inside FSDP2's hooks: no second copy-out
+        recompute = f - copy_f
     else:
         routed_act = layer.expert_act_bytes
         mla_up = "mla_up" in mods and spec.mla  # a region holding the core (DeepSeek)
@@ -304,6 +352,7 @@ def layer_phase(
             ups = [g for g in layer.gemms if g.name in ("wq_b", "wq", "wkv_b")]
             recompute += sum(acc.gemm_time(g.m, g.n, g.k, fp8, g.count) for g in ups)
     b = gemm_b + attn_b + 2 * elem_f + cast_b + tp_b + cp_b + dp_b + recompute + ep_b + 2 * host / 3
+    b += copy_b
     gemms = gemm_f + gemm_b
     if wgrad:
         w = gemm_w + tp_w + weight_cast
@@ -316,7 +365,7 @@ def layer_phase(
         f=f,
         b=b,
         w=w,
-        compute=compute,
+        compute=compute + copy_f + copy_b,
         recompute=recompute,
         tp_comm=tp_f + tp_b + tp_w,
         cp_comm=cp_f + cp_b,
@@ -427,7 +476,9 @@ def head_phase(
     (`wgrad=False`: a frozen head, no weight-gradient GEMM).
 
     Unfused (Megatron's and the reference path): the FP32 cross-entropy costs 34 B per logit
-    forward (cast, max, subtract, exp, sum) and 22 backward (softmax, one-hot, scale, cast).
+    forward (cast, max, subtract, exp, sum) and 22 backward (softmax, one-hot, scale, cast);
+    TE's in-place kernel (`Runtime.ce_in_place`) reads the BF16 logits twice and writes their
+    gradient over them (6 B), and its backward scales them in place (4 B).
     Fused (`rt.fused_cross_entropy`, `engine.ops.cross_entropy`): all three GEMMs and the
     softmax run in the forward, chunk by chunk; per logit the kernels read the BF16 logits
     three times (max, sum of exponentials, gradient) and write the BF16 gradient, 8 B, and
@@ -480,8 +531,12 @@ def head_phase(
             compute=gemms + ce_f + ce_b,
             tp_comm=comm_f + comm_b,
         )
-    ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
-    ce_b = acc.elementwise_time(22.0 * logits + 8.0 * x_sp)
+    if rt is not None and rt.ce_in_place:  # TE's kernel: read twice, gradient written in place
+        ce_f = acc.elementwise_time(6.0 * logits + 4.0 * x_sp)
+        ce_b = acc.elementwise_time(4.0 * logits + 8.0 * x_sp)
+    else:
+        ce_f = acc.elementwise_time(34.0 * logits + 4.0 * x_sp)
+        ce_b = acc.elementwise_time(22.0 * logits + 8.0 * x_sp)
     return Phase(
         f=gemm_f + ce_f + comm_f,
         b=gemm_b + ce_b + comm_b,
@@ -524,7 +579,8 @@ def chunk_expert_params(spec: ModelSpec, tp: int, layers: list[int]) -> list[flo
     """Routed-expert parameters per model chunk on one rank of a group of `tp` ranks that
     split each expert's width (tp, or `Strategy.etp`), before the ep split (the MTP module's
     experts on the last chunk)."""
-    out = [n * spec.layer_expert_params() / tp for n in layers]
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    out = [spec.chunk_layer_params(a, n)[1] / tp for a, n in zip(starts, layers, strict=True)]
     out[-1] += spec.mtp_expert_params() / tp
     return out
 
@@ -553,7 +609,7 @@ def chunk_params(spec: ModelSpec, tp: int, layers: list[int], etp: int = 0) -> l
         return [p - a + b for p, a, b in zip(dense, tp_experts, experts, strict=True)]
     out = []
     for i, n in enumerate(layers):
-        p = n * spec.layer_params()
+        p = spec.chunk_layer_params(sum(layers[:i]), n)[0]
         if i == 0:
             p += spec.embedding_params()
         if i == len(layers) - 1:
@@ -601,11 +657,13 @@ def dp_sync(
     expert-data-parallel group when ep > 1); `b_window`/`f_window` are its last backward /
     first forward. `etp_expert`: the rank's local routed experts when sp routes each tp
     rank's own tokens through experts split over etp < tp ranks, whose gradients are summed
-    over the tp / etp ranks holding the same slices after the backward (not overlapped)."""
+    over the tp / etp ranks holding the same slices after the backward (not overlapped), as
+    the gradients are held then (`ParallelModel.finish_grads`): whole, or under FSDP2 the
+    shards over the experts' replicas (dp x cp / ep ranks; at ep = 1 the block's dp x cp)."""
     total, exposed = _dp_sync(params, f_window, b_window, s, links, rt, expert)
     e = s.etp_size
     if etp_expert and s.sp and e < s.tp and links.etp_rep is not None:
-        width = rt.grad_reduce_bytes * etp_expert
+        width = rt.grad_bytes * etp_expert / (s.dcp // s.ep if s.zero == 3 else 1)
         extra = collective_time("all_reduce", s.tp // e, width, links.etp_rep)
         total, exposed = total + extra, exposed + extra
     return total, exposed
@@ -621,7 +679,8 @@ def _dp_sync(
     expert: float = 0.0,
 ) -> tuple[float, float]:
     """`dp_sync` over the data-parallel groups (dense and expert-data-parallel)."""
-    groups = [(params - expert, s.dcp, links.dp)]
+    hsdp = s.zero == 3 and s.dp_replicate > 1 and links.shard is not None
+    groups = [(params - expert, s.fsdp_shard, links.shard if hsdp else links.dp)]
     if expert:
         groups.append((expert, s.edp, links.edp))
     groups = [g for g in groups if g[1] > 1]
@@ -651,6 +710,10 @@ def _dp_sync(
         return 0.0, 0.0  # reduce-scattered per micro-batch inside B (layer_phase)
     rs = coll("reduce_scatter", rt.grad_reduce_bytes)
     last = collective_time("reduce_scatter", n0, bucket, link0)
+    if hsdp:  # then the replica groups all-reduce the reduce-scattered shards
+        shard = rt.grad_reduce_bytes * p0 / n0
+        rs += collective_time("all_reduce", s.dp_replicate, shard, links.replicate)
+        last += collective_time("all_reduce", s.dp_replicate, bucket / n0, links.replicate)
     return rs, max(last, _exposed(rs, b_window, rt.fsdp_overlap))
 
 
@@ -683,15 +746,16 @@ def optimizer_time(
 ) -> float:
     """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
     m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),
-    plus the gradient-norm read and zeroing of the full local gradients, and FP8 weight
-    casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
+    plus the gradient-norm read and zeroing of the local gradients (ZeRO-3: their shard),
+    and FP8 weight casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
     ZeRO-1 adds what the runtime's own step moves beyond that (`Runtime.zero1_step_extra`,
     `Runtime.zero1_publish_bytes`)."""
-    shard = params / s.dcp if s.zero in (1, 3) else params
+    shard = params / (s.fsdp_shard if s.zero == 3 else s.dcp) if s.zero in (1, 3) else params
     if expert and s.zero in (1, 3):
         shard = (params - expert) / s.dcp + expert / s.edp
     per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
-    nbytes = shard * per + params * 2 * rt.grad_bytes
+    grads = shard if s.zero == 3 else params  # ZeRO-3 holds (and clips) gradient shards
+    nbytes = shard * per + grads * 2 * rt.grad_bytes
     if s.zero == 1 and s.dcp > 1:  # the runtime's own ZeRO-1 step and publication
         nbytes += shard * rt.zero1_step_extra + params * rt.zero1_publish_bytes
     if s.fp8:

@@ -8,7 +8,8 @@ is not one) and P the parameters a rank holds:
     zero 3:  P * (p + g + o) / dp   (FSDP2 under no_sync keeps P * g unsharded)
 
 Routed experts count 1/ep, their sharded states over dp * cp / ep, their width 1/etp
-(`Strategy.etp`; 1/tp when unset).
+(`Strategy.etp`; 1/tp when unset). Under HSDP (`Strategy.dp_replicate`) ZeRO-3 shards over
+one replica group, dp * cp / dp_replicate ranks.
 
 Activations (arXiv 2205.05198; `model.build_layer` lists the tensors): a chunk's saved bytes
 per micro-batch under the recompute policy, times the peak in-flight (stage, micro-batch)
@@ -21,7 +22,8 @@ set to the first chunk (`vision.tower_memory`); frozen parameters (`ModelSpec.fr
 their weights only, whole under ZeRO.
 
 On top: one backward's transient working set, autocast and FP8 weight copies, DDP's bucket
-copy or ZeRO-1's gradient copy where the runtime makes one, FSDP's gathered layers, expert
+copy or ZeRO-1's gradient copy where the runtime makes one, TE's cached dummy weight
+gradients (`Runtime.te_dummy_wgrad`), FSDP2's gathered layers and root (`fsdp_buffers`), expert
 dispatch buffers, one layer's context-parallel attention buffers (`cp_buffer`). Reserved =
 peak / 0.94 (SimuMax's ``mem_factor``), and a plan keeps a margin (6 GiB) for the context and
 NCCL. A CPU profile's ``host_runtime_bytes`` and
@@ -129,7 +131,8 @@ def states(
         dense = states(params - expert, s, rt)
         ours = states(expert, dataclasses.replace(s, dp=s.edp, cp=1, ep=1), rt)
         return tuple(a + b for a, b in zip(dense, ours, strict=True))
-    dp = s.dcp  # ZeRO shards over every rank that holds these parameters
+    # ZeRO shards over every rank that holds these parameters (ZeRO-3: one HSDP group of them)
+    dp = s.fsdp_shard if s.zero == 3 else s.dcp
     master = 4 if (rt.param_bytes != 4 or (s.zero == 1 and rt.zero1_separate_master)) else 0
     opt = (8 + master) * params
     p, g = rt.param_bytes * params, rt.grad_bytes * params
@@ -157,12 +160,14 @@ def chunk_activation_extras(
     last: bool,
     fused_ce: bool = False,
     act_width: float = 2.0,
+    ce_in_place: bool = False,
 ):
     """Saved bytes of a chunk beyond its layers: on the last chunk the final norm's input and
     either the head's input and FP32 logits or, with the fused cross-entropy
     (`engine/ops/cross_entropy.py`), the FP32 input and weight gradients its forward already
-    formed (tokens x dim and the vocab/tp x dim head slice, kept until backward); the
-    embedding dropout mask (first, GPT-style models)."""
+    formed (tokens x dim and the vocab/tp x dim head slice, kept until backward), or, fused
+    in place (`Runtime.ce_in_place`, TE's kernel), the logits in the activation dtype holding
+    their gradient; the embedding dropout mask (first, GPT-style models)."""
     tokens = s.mbs * seq / s.cp
     sp = s.sp and s.tp > 1
     x_sp = tokens * spec.dim / (s.tp if sp else 1)
@@ -175,7 +180,8 @@ def chunk_activation_extras(
             x = n * spec.dim / (s.tp if sp else 1)
             if fused_ce:
                 return act_width * x + 4.0 * n * spec.dim + 4.0 * spec.vocab_size * spec.dim / s.tp
-            return 2 * act_width * x + 4.0 * n * spec.vocab_size / s.tp
+            logit = act_width if ce_in_place else 4.0
+            return 2 * act_width * x + logit * n * spec.vocab_size / s.tp
 
         # MTP runs on whole sequences on each cp rank (models.deepseek)
         out += head(tokens) + spec.mtp_depth * head(tokens * s.cp)
@@ -248,6 +254,23 @@ def cp_buffer(layer: Layer, s: Strategy, act_width: float = 2.0) -> float:
     return blocks + max(4.0 * layer.cp_acc, 4.0 * (dq + 2.0 * layer.cp_kv))
 
 
+def fsdp_buffers(
+    spec: ModelSpec, s: Strategy, rt: Runtime, layer_params: float, first: bool, last: bool
+) -> float:
+    """FSDP2's unsharded buffers at the activation peak, per rank: two blocks gathered at the
+    gather width (`Runtime.param_gather_bytes`: the block running and the one prefetched)
+    and one block's unsharded gradient at the gradient width, plus the root module's
+    parameters (embedding; final norm and head), which FSDP2 gathers at the root's forward
+    and does not free until its backward (`FSDPState._lazy_init` sets the root's
+    post-forward reshard off: they would be gathered again at once)."""
+    width = rt.param_gather_bytes
+    table = spec.embedding_params() / s.tp
+    root = table if first else 0.0  # a tied head on the first chunk shares the table
+    if last:
+        root += spec.dim + (table if not (spec.tie_embeddings and first) else 0.0)
+    return 2.0 * width * layer_params + rt.grad_bytes * layer_params + width * root
+
+
 def grads_at_peak(
     spec: ModelSpec, s: Strategy, rt: Runtime, grads: float, last_chunk: bool
 ) -> float | None:
@@ -306,7 +329,7 @@ def rank_memory(
     unit = max(
         (layers[c] + (spec.mtp_depth * s.cp if c == last else 0)) * lm.saved
         + chunk_activation_extras(
-            spec, s, seq, c == 0, c == last, rt.fused_cross_entropy, rt.act_width
+            spec, s, seq, c == 0, c == last, rt.fused_cross_entropy, rt.act_width, rt.ce_in_place
         )
         + (first.saved if first is not None and c == 0 else 0.0)
         for c in chunks
@@ -326,7 +349,7 @@ def rank_memory(
     if last in chunks:
         if rt.fused_cross_entropy:
             transient = max(transient, ce_working_bytes(spec, s, seq))
-        else:
+        elif not rt.ce_in_place:  # in place: three FP32 numbers per row beside the logits
             logits = s.mbs * seq / s.cp * spec.vocab_size / s.tp
             transient = max(transient, 10.0 * logits)
 
@@ -355,11 +378,14 @@ def rank_memory(
         fp8_weights += first.fp8_weights
     if s.fp8:
         buffers += 2.0 * fp8_weights
+    if rt.te_dummy_wgrad and not spec.frozen("decoder"):
+        routed = 3.0 * spec.dim * spec.moe_ffn_dim if spec.n_routed_experts else 0.0
+        buffers += 2.0 * ((spec.weight_shapes_params() - routed) / s.tp + routed / s.etp_size)
     trainable = params - frozen
     if s.zero == 0 and s.dcp > 1 and rt.ddp_bucket_copy:
         buffers += rt.grad_bytes * trainable
     if s.zero == 3 and s.dcp > 1 and not spec.frozen("decoder"):
-        buffers += 2 * 2.0 * layer_params + rt.grad_bytes * layer_params
+        buffers += fsdp_buffers(spec, s, rt, layer_params, 0 in chunks, last in chunks)
     step_peak = p + g + o
     if s.zero == 1 and s.dcp > 1 and rt.zero1_separate_master and rt.param_bytes != 4:
         # BF16 parameters' gradients flattened into an FP32 copy for the sharded step; not

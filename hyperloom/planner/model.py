@@ -400,6 +400,32 @@ class ModelSpec:
         block = self._block_matmul(moe, self.n_routed_experts) + self._block_extras(moe)
         return self.mtp_depth * (block + 2 * self.dim * self.dim + 3 * self.dim)
 
+    def chunk_layer_params(self, start: int, n: int) -> tuple[float, float]:
+        """(parameters, of which routed-expert matrices) of the `n` consecutive layers from
+        layer `start`: the model's first `n_dense_layers` are dense (DeepSeek-V3 puts them
+        first, and Megatron-Core's `moe_layer_freq` does), so a pipeline's first chunks hold
+        them and its later ones more experts than the mean layer says (the states of a
+        stage; the time model keeps the mean layer)."""
+        if not self.mla:
+            return n * self.layer_params(), 0.0
+        dense = max(0, min(start + n, self.n_layers - self.n_moe_layers) - start)
+        moe = n - dense
+        d = dense * (self._block_matmul(False, 0) + self._block_extras(False))
+        m = moe * (self._block_matmul(True, self.n_routed_experts) + self._block_extras(True))
+        return float(d + m), float(moe * self.routed_expert_params())
+
+    def weight_shapes_params(self) -> float:
+        """Elements of one of each distinct weight matrix of the decoder layers: a layer's
+        matrices (dense Llama), or MLA's, a dense FFN's when the model has dense layers, the
+        shared experts' and one routed expert's (DeepSeek). What TE's per-shape dummy weight
+        gradients hold (`Runtime.te_dummy_wgrad`)."""
+        if not self.mla:
+            return self.layer_matmul_params()
+        out = self._mla_matmul() + (3 * self.dim * self.ffn_dim if self.n_dense_layers else 0)
+        if self.n_routed_experts:
+            out += (self.n_shared_experts + 1) * 3 * self.dim * self.moe_ffn_dim
+        return float(out)
+
     def routed_expert_params(self) -> int:
         """Matrices of the routed experts of one MoE layer (what expert parallelism shards)."""
         return self.n_routed_experts * 3 * self.dim * self.moe_ffn_dim

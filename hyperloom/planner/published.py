@@ -12,7 +12,8 @@ Megatron-Core step throughputs on DGX-H100 and DGX-B200 (`NEMO_FP8`: the NeMo 24
 performance summary, NVIDIA/NeMo docs/source/performance/performance_summary.md, and the
 Megatron-Bridge 25.11 one, NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md), and
 torchtitan's FSDP2 runs on 64 A100s (`TORCHTITAN_A100`, pytorch/torchtitan
-docs/performance.md as of April 2024). Each row's published tokens/s per GPU becomes a step
+docs/performance.md as of April 2024); measured peak memory and step times of Megatron-LM
+runs on 8 B200s are in `published_memory`. Each row's published tokens/s per GPU becomes a step
 time, ``global batch x sequence / (tokens/s/GPU x GPUs)``, and the planner predicts that
 step for the published layout.
 """
@@ -511,6 +512,12 @@ def report_markdown() -> str:
     out.append(_table([r for r, _ in torchtitan_a100(fast=False)], "note"))
     out.append("\n### Held out: torchtitan, the layer's fused bytes\n")
     out.append(_table([r for r, _ in torchtitan_a100(fast=False, eager=False)], "note"))
+    from hyperloom.planner import published_memory as pm  # it builds on this module
+
+    out.append("\n### Held out: Megatron-LM on 8 B200s (SimuMax's runs), step time\n")
+    out.append(_table(pm.simumax_step_time()))
+    out.append("\n### Held out: the same runs, peak memory allocated and reserved (GiB)\n")
+    out.append(_table(pm.simumax_memory()))
     return "\n".join(out)
 
 

@@ -48,6 +48,7 @@ from hyperloom.planner.costs import (
     links_for,
     local_params,
     optimizer_time,
+    root_gather,
     shared_grad_groups,
 )
 from hyperloom.planner.errors import PlanError
@@ -211,6 +212,9 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     one = layer_phase(layer, spec, dec, acc, links, rt, wgrad=wgrad)
     emb = embedding_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
     head = head_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
+    if wgrad:  # FSDP2's root module: gathered at each forward (frozen: kept whole)
+        emb = emb + root_gather(spec, key, rt, links, last=False)
+        head = head + root_gather(spec, key, rt, links, last=True)
     if spec.vision:
         emb = emb + tower_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk

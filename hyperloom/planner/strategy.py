@@ -28,8 +28,9 @@ DualPipe's overlap full). ``a2a_node_dedup`` (DeepEP's once-per-node dispatch) a
 ``param_bytes=2`` models Megatron's memory layout with hyperloom's overlap.
 
 Context parallelism (``Strategy.cp_comm``) is a ring of K/V blocks, each step's exchange
-hidden behind that step's attention (``cp_overlap``: 1 on devices, 0 on CPU where gloo
-computes on the same cores), or Ulysses' all-to-alls, never hidden (`costs.context_comm`).
+hidden behind that step's attention up to ``cp_overlap`` of it (0.85 on devices,
+`RING_OVERLAP`; 0 on CPU where gloo computes on the same cores), or Ulysses' all-to-alls,
+never hidden (`costs.context_comm`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ DISPATCHERS = ("alltoall", "allgather")
 CP_COMMS = ("ring", "alltoall")  # the values of the job's parallel.cp_comm
 
 
+# The share of a ring step's overlapped exchange that hides: 1 - the SMs overlapped
+# communication takes from compute, taken as DeepSeek-V3's 20 of H800's 132 SMs dedicated to
+# its overlapped all-to-all (arXiv 2412.19437 §3.2.2): 0.85. Assumed for every device; the
+# per-step comparison of exchange and attention (what exceeds the step is exposed) is the
+# model's, this factor is what it cannot see. Before: 1 (an exchange shorter than its step
+# cost nothing).
+RING_OVERLAP = 1.0 - 20.0 / 132.0
+
+
 @dataclass(frozen=True)
 class Runtime:
     """How a trainer stores state and overlaps communication (see module docstring)."""
@@ -59,6 +69,15 @@ class Runtime:
     # distributed optimizer reduces and steps on without a flattened copy
     fp32_main_grads: bool = False
     fused_cross_entropy: bool = False  # chunked head + loss, grads formed in the forward
+    # Megatron's `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`: TE's kernel
+    # writes the loss gradient into the BF16 logits during the forward and keeps them, so the
+    # head saves 2 B per logit and makes no FP32 copy (unfused: 4 B saved + 10 B transient)
+    ce_in_place: bool = False
+    # TransformerEngine under Megatron's gradient-accumulation fusion: the weight gradient goes
+    # straight into main_grad and autograd gets a dummy BF16 tensor of the weight's shape,
+    # cached for the run, one per distinct shape (`transformer_engine.pytorch.module.base.
+    # get_dummy_wgrad`): 2 B per element of one of each of a layer's matrices, per rank
+    te_dummy_wgrad: bool = False
     autocast_weight_copy: bool = True  # BF16 weight casts live while activations do
     autocast_per_op: bool = False  # FP32 norm in/out, a BF16 input cast per linear (job_runtime)
     ddp_bucket_copy: bool = False  # DDP buckets duplicate the gradients (no bucket views)
@@ -69,9 +88,11 @@ class Runtime:
     sharded_save: bool = False  # SP: column-parallel inputs saved sharded (re-gathered)
     tp_overlap: float = 0.0  # fraction of TP comm hidden behind GEMMs
     # Ring attention: the fraction of each step's K/V (or dK/dV) exchange that hides behind
-    # that step's attention compute; what exceeds the compute is exposed whatever this is.
-    # Ulysses' all-to-alls are never hidden.
-    cp_overlap: float = 1.0
+    # that step's attention compute; what exceeds the compute is exposed whatever this is
+    # (`costs.context_comm`). Ulysses' all-to-alls are never hidden. Not 1: the exchange's
+    # NCCL kernels run on SMs the attention then lacks, so the overlapped part still costs
+    # their share of the step (`RING_OVERLAP`).
+    cp_overlap: float = RING_OVERLAP
     ddp_overlap: float = 1.0  # zero 0: all-reduce behind the last backward
     zero1_overlap: float = 0.0  # zero 1: reduce-scatter / all-gather behind compute
     zero1_in_place: bool = False  # zero 1 all-reduces grads and weights instead (gloo)
@@ -85,6 +106,9 @@ class Runtime:
     zero1_step_extra: float = 80.0 - 28.0 + 8.0 + 8.0
     zero1_publish_bytes: float = 12.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
+    # zero 3 is PyTorch FSDP2: its gathers' copy-out and reductions' copy-in run on the
+    # compute stream (`costs.fsdp2_copy_time`); Megatron's FSDP gathers into its buffers
+    fsdp2_copies: bool = True
     # zero 1 all-gathers the updated params in this width, zero 3 (FSDP2) each block's
     # params before use (`Runtime.from_job`: 2 under `parallel.fsdp_param_dtype = bf16`)
     param_gather_bytes: int = 4
@@ -182,8 +206,10 @@ RUNTIMES = {
         param_bytes=2,
         zero1_separate_master=True,
         fp32_main_grads=True,
+        te_dummy_wgrad=True,
         autocast_weight_copy=False,
         fsdp_unsharded_accumulation=False,
+        fsdp2_copies=False,
         sharded_save=True,
         tp_overlap=0.8,
         zero1_overlap=1.0,
@@ -221,6 +247,10 @@ class Strategy:
     # default expert_tensor_parallel_size = tp, the planner's model before etp); 1: routed
     # experts replicated over tp (hyperloom's default). See `etp_size` and `costs.py`.
     etp: int = 0
+    # HSDP (`parallel.dp_replicate`, zero = 3): dp x cp split into this many replica groups of
+    # consecutive ranks; FSDP2 shards over each group (`fsdp_shard` ranks) and the groups
+    # all-reduce their reduce-scattered gradients (`costs.dp_sync`)
+    dp_replicate: int = 1
 
     @property
     def world(self) -> int:
@@ -232,6 +262,12 @@ class Strategy:
         parallel. Megatron's gradient reduction and distributed optimizer span both (context
         ranks see other tokens of the same sequences)."""
         return self.dp * self.cp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks ZeRO-3 shards parameters, gradients and optimizer state over: dp x cp, or
+        one HSDP replica group of it (dp x cp / dp_replicate)."""
+        return self.dcp // self.dp_replicate
 
     @property
     def edp(self) -> int:
@@ -270,6 +306,8 @@ class Strategy:
                 parts.append("ovl")
         if self.etp and self.tp > 1:
             parts.append(f"etp{self.etp}")
+        if self.dp_replicate > 1:
+            parts.append(f"hsdp{self.dp_replicate}")
         parts += [f"z{self.zero}", f"mbs{self.mbs}x{self.microbatches}", self.schedule]
         parts.append(f"rc:{self.recompute}")
         if self.fp8:
@@ -295,11 +333,6 @@ class Strategy:
         without routed experts); the schedule kind, chunks per rank, recompute policy and FP8
         from the job unless given."""
         par, tr = job.parallel, job.train
-        if par.dp_replicate > 1:
-            raise PlanError(
-                f"parallel.dp_replicate = {par.dp_replicate}: the planner costs FSDP2 sharded "
-                f"over all of dp x cp, not HSDP; plan with parallel.dp_replicate = 1"
-            )
         if recompute is None:
             recompute = tr.recompute
             if tr.recompute_layers and recompute != "none":
@@ -320,6 +353,7 @@ class Strategy:
             ep_overlap=par.ep_overlap,
             etp=par.etp if _routed_experts(job) else 0,
             zero=par.zero,
+            dp_replicate=par.dp_replicate,
             sp=par.sp,
             order=par.order,
             mbs=tr.micro_batch_size,
@@ -378,6 +412,13 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
         )
     if s.zero not in ZERO_MODES:
         return f"zero must be one of {ZERO_MODES}, got {s.zero}"
+    r = s.dp_replicate
+    if r < 1 or (r > 1 and (s.zero != 3 or s.dp % r or r == s.dcp or s.ep > 1)):
+        return (
+            f"dp_replicate ({r}) must be >= 1; HSDP needs zero = 3 (got {s.zero}), "
+            f"dp_replicate dividing dp ({s.dp}) and below dp x cp ({s.dcp}), and ep = 1 "
+            f"(got {s.ep})"
+        )
     if s.schedule not in SCHEDULES:
         return f"unknown schedule {s.schedule!r}; choose one of {', '.join(SCHEDULES)}"
     m, p = s.microbatches, s.pp

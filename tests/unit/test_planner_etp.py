@@ -131,8 +131,18 @@ def test_etp_with_sp_gathers_the_etp_groups_slices():
     # the etp slices' gradients: an all-reduce over tp / etp = 2 ranks, not hidden
     base = dp_sync(1e8, 1.0, 1.0, s, links, rt, 2e7)
     more = dp_sync(1e8, 1.0, 1.0, s, links, rt, 2e7, 3e7)
-    extra = collective_time("all_reduce", 2, rt.grad_reduce_bytes * 3e7, links.etp_rep)
+    extra = collective_time("all_reduce", 2, rt.grad_bytes * 3e7, links.etp_rep)
     assert more[0] - base[0] == pytest.approx(extra) and more[1] - base[1] == pytest.approx(extra)
+    # under FSDP2 the summed gradients are the shards over the experts' dp x cp / ep = 1
+    # replicas here; at ep = 1 over dp = 2 (`ParallelModel.finish_grads`)
+    for ep, shards in ((2, 1), (1, 2)):
+        z3 = dataclasses.replace(s, zero=3, ep=ep)
+        got = (
+            dp_sync(1e8, 1.0, 1.0, z3, links, rt, 0.0, 3e7)[0]
+            - dp_sync(1e8, 1.0, 1.0, z3, links, rt)[0]
+        )
+        want = collective_time("all_reduce", 2, rt.grad_bytes * 3e7 / shards, links.etp_rep)
+        assert got == pytest.approx(want), ep
     plan = predict(LITE, cluster, dataclasses.replace(s, mbs=1, microbatches=4), SEQ)
     assert plan.step_time > 0
 

@@ -30,6 +30,14 @@ class PrecisionConfig:
         "FP8 GEMMs in linear layers: none, or the scaling recipe (see hyperloom.engine.fp8)",
         choices=["none", "delayed", "current", "rowwise", "blockwise", "mxfp8"],
     )
+    fp8_delayed_update: str = knob(
+        "microbatch",
+        "under fp8 = 'delayed': when scales move -- 'microbatch' before every quantization "
+        "(TE's update per fp8_autocast region), 'step' once per optimizer step after the "
+        "amaxes are reduced, so dp replicas, pp ranks and DualPipe's two chunk copies take "
+        "one process's scales (hyperloom.engine.fp8.recipes)",
+        choices=["microbatch", "step"],
+    )
     fp8_keep: list[str] = knob(
         doc="module path patterns (fnmatch) whose linears stay in high precision under fp8",
         factory=lambda: [
@@ -69,6 +77,12 @@ class PrecisionConfig:
     def problems(self, job: JobConfig) -> list[str]:
         """The FP8 knobs against the model's depth and, under tp > 1, its shard widths."""
         p = _high_precision_problems(self.fp8_high_precision) + _layer_problems(job)
+        if self.fp8_delayed_update != "microbatch" and self.fp8 not in ("delayed", "none"):
+            p.append(
+                f"precision.fp8_delayed_update = '{self.fp8_delayed_update}' applies to "
+                f"precision.fp8 = 'delayed' only (here '{self.fp8}'); set precision.fp8 = "
+                f"'delayed' or leave fp8_delayed_update at 'microbatch'"
+            )
         par = job.parallel
         if self.fp8 != "none" and par.tp > 1 and not par.invalid_degrees():
             p.extend(_tensor_parallel_problems(job))

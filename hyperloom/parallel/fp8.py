@@ -22,5 +22,5 @@ def apply_fp8(model: nn.Module, cfg: JobConfig) -> None:
     n = cfg.model.n_layers
     ends = [*range(p8.fp8_bf16_first_layers), *range(n - p8.fp8_bf16_last_layers, n)]
     keep = [*p8.fp8_keep, *(f"layers.{i}.*" for i in ends)]
-    recipe = recipe_from_name(p8.fp8, p8.fp8_high_precision)
+    recipe = recipe_from_name(p8.fp8, p8.fp8_high_precision, p8.fp8_delayed_update)
     convert_to_fp8(model, recipe, keep=keep, fp8_activation=p8.fp8_activation)

@@ -10,9 +10,12 @@ gradient norm counts each once.
 
 FP8: checkpoints hold the scaling state by global name, gathered over pp. DualPipe's two
 copies of a chunk, and dp replicas, reduce their delayed-scaling state after each step
-(`sync_fp8_copies`, `sync_fp8_replicas`), as TransformerEngine reduces amaxes over replicas;
-within a step each sees only its own micro-batches, so delayed scaling there is close to,
-not equal to, one process. Data parallelism under pp is reduced here after the schedule
+(`sync_fp8_copies`, `sync_fp8_replicas`), as TransformerEngine reduces amaxes over replicas.
+With `precision.fp8_delayed_update = "microbatch"` each copy's scales move with its own
+micro-batches within a step, so delayed scaling there is close to, not equal to, one
+process; with "step" every copy quantizes the whole step with the scale of the step's start
+and the trainer's `end_fp8_step` moves it once after these reductions: one process's scales
+(docs/fp8.md). Data parallelism under pp is reduced here after the schedule
 (all-reduce or ZeRO-1) rather than by DDP, since a split backward accumulates weight
 gradients outside autograd's hooks. FSDP with pp is not built.
 """
@@ -238,7 +241,8 @@ class PipelineModel(ParallelModel):
         elementwise max of the copies' amax histories (slot i of each is its i-th most recent
         quantization, and both copies quantize equally often) and the min of their scales,
         in memory for copies on this rank and by an all-reduce over the pipeline ranks that
-        hold the others."""
+        hold the others. Under `update="step"` only the current slot differs (each copy's
+        max over its micro-batches) and the scales are equal: the max is the step's."""
         local: dict[str, list[torch.Tensor]] = defaultdict(list)
         for chunk in self.inner.chunks.values():
             for key, buf in fp8_buffers(chunk).items():

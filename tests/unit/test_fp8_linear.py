@@ -27,6 +27,7 @@ from hyperloom.engine.fp8 import (
     recipe_from_name,
     tensor_core_gemm,
 )
+from hyperloom.engine.fp8.modules import fp8_grouped_linear
 from hyperloom.models.registry import build_model
 
 
@@ -251,3 +252,20 @@ def test_materialize_gives_fp8_linears_fresh_scaling_state():
     assert all(torch.equal(s, torch.ones_like(s)) for s in scales)
     x = torch.randint(0, cfg.vocab_size, (1, 8))
     assert torch.isfinite(model(x)).all()
+
+
+def test_grouped_blockwise_keeps_small_experts_in_their_own_blocks():
+    """Experts with fewer rows than a 128 x 128 weight block: padding each expert to a whole
+    block keeps a large expert's amax out of a small one's scale (it once shared a block)."""
+    torch.manual_seed(0)
+    w = torch.randn(2, 64, 256)
+    w[1] *= 100  # expert 1's block amax would squeeze expert 0 into a few FP8 values
+    w.requires_grad_(True)
+    x = torch.randn(8, 256, requires_grad=True)
+    out = {}
+    for grouped in (True, False):
+        y = fp8_grouped_linear(x, w, [4, 4], BlockwiseScaling(), grouped=grouped)
+        dx, dw = torch.autograd.grad(y.square().sum(), (x, w))
+        out[grouped] = (y, dx, dw)
+    for a, b in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ gathers per-expert delayed-scaling state whole through `fp8_state_dict`.
 from hyperloom.engine.fp8.convert import (
     DEFAULT_KEEP,
     convert_to_fp8,
+    end_fp8_step,
     fp8_state_dict,
     load_fp8_state_dict,
     reset_fp8_state,
@@ -53,6 +54,7 @@ __all__ = [
     "RowwiseScaling",
     "convert_to_fp8",
     "defer_weight_grads",
+    "end_fp8_step",
     "format_for",
     "fp8_autocast",
     "fp8_gemm",

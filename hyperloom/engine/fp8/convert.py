@@ -83,6 +83,14 @@ def reset_fp8_state(model: nn.Module) -> None:
         m.reset_fp8_state()
 
 
+def end_fp8_step(model: nn.Module) -> None:
+    """Delayed scaling with `update="step"`: the optimizer step's one scale update, on every
+    FP8 layer (`Fp8State.end_fp8_step`); a no-op for other recipes. The trainer calls it
+    after the step's micro-batches and reductions of the scaling state."""
+    for _, m in fp8_modules(model):
+        m.end_fp8_step()
+
+
 def _scaling_buffers(model: nn.Module) -> Iterable[tuple[str, Fp8State, torch.Tensor]]:
     """(full name, module, buffer) of every delayed-scaling buffer; no communication."""
     for name, m in fp8_modules(model):

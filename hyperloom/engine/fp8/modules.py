@@ -20,7 +20,9 @@ Delayed scaling keeps amax histories and scales in buffers (columns input, weigh
 grad_output per GEMM; experts first for MoE, so expert parallelism splits them like the
 weights), so checkpoints carry them. Every training quantization updates that state once, in
 GEMM order, so each micro-batch advances the history, as TE's one update per `fp8_autocast`
-region does; eval mode reads the state without changing it.
+region does; eval mode reads the state without changing it. Under `update="step"` the
+quantizations only record (max into the current slot) and `end_fp8_step` moves every
+column's scale and window once per optimizer step (hyperloom.engine.fp8.recipes).
 
 Split backward (Zero Bubble, DualPipe): under `defer_weight_grads(put)` a layer hands its
 wgrad GEMM to `put` instead of running it, from the same quantized grad_output and saved
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperloom.engine.fp8.formats import ROLES
+from hyperloom.engine.fp8.formats import ROLES, format_for
 from hyperloom.engine.fp8.gemm import fp8_gemm
 from hyperloom.engine.fp8.recipes import (
     GEMMS,
@@ -51,6 +53,7 @@ from hyperloom.engine.fp8.recipes import (
     MXFP8Scaling,
     Recipe,
     RowwiseScaling,
+    end_step,
     observe_empty,
 )
 from hyperloom.engine.fp8.recipes import quantize_for as _q
@@ -311,6 +314,21 @@ class _Fp8State:
             self.fp8_amax_history.zero_()
             self.fp8_scale.fill_(1.0)
 
+    @torch.no_grad()
+    def end_fp8_step(self) -> None:
+        """Delayed scaling with `update="step"`: the optimizer step's one scale update and
+        window roll, for every GEMM's input, weight and grad_output column (and every
+        expert's); nothing for other recipes. Call after the step's reductions."""
+        recipe = self.recipe
+        if not isinstance(recipe, DelayedScaling) or recipe.update != "step":
+            return
+        if self.fp8_amax_history is None:
+            return
+        n = self.fp8_scale.shape[-1]  # columns: (input, weight, grad_output) per GEMM
+        maxes = [format_for(recipe.fp8_format, ROLES[c % len(ROLES)]).max for c in range(n)]
+        fmt_max = torch.tensor(maxes, device=self.fp8_scale.device)
+        end_step(recipe, self.fp8_amax_history, self.fp8_scale, fmt_max)
+
     def _states(
         self, recipe: Recipe, gemm: int = 0, group: int | None = None
     ) -> dict[str, DelayedState | None]:
@@ -444,9 +462,9 @@ class _IdleGroupFn(torch.autograd.Function):
     in the graph only so that backward takes grad_output's turn at the time the others do."""
 
     @staticmethod
-    def forward(ctx, weight, recipe, states, out_dtype):
+    def forward(ctx, weight, recipe, states, out_dtype, reduce_weight=None):
         with torch.no_grad():
-            _q(weight.detach(), recipe, "weight", states["weight"])
+            _q(weight.detach(), recipe, "weight", states["weight"], reduce_weight)
         observe_empty(recipe, "input", states["input"])
         ctx.recipe, ctx.state = recipe, states["grad_output"]
         return weight.new_zeros(0, weight.shape[0], dtype=out_dtype)
@@ -454,7 +472,7 @@ class _IdleGroupFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         observe_empty(ctx.recipe, "grad_output", ctx.state)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 def _grouped_path(recipe: Recipe | None, bias, fp8_activation: bool) -> bool:
@@ -494,16 +512,20 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _expert_weights(w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
+def _expert_weights(
+    w: torch.Tensor, recipe: Recipe, dtype: torch.dtype, reduce_amax=None
+) -> torch.Tensor:
     """Every expert's (rows, K) matrix of `w` (E, rows, K) quantized as its own weight and
     dequantized to `dtype`, in one quantization: the experts are stacked with their rows
     padded to a whole number of scale blocks, so no block straddles two experts (zero rows
-    raise no amax), then cropped."""
+    raise no amax), then cropped -- to the whole block even when an expert has fewer rows,
+    since one 128 x 128 block over two experts' rows would give them one scale.
+    `reduce_amax`: K is sharded (rowwise, see `quantize_for`)."""
     e, rows, k = w.shape
-    br = min(recipe.block, rows) if isinstance(recipe, BlockwiseScaling) else 1
+    br = recipe.block if isinstance(recipe, BlockwiseScaling) else 1
     pad = -rows % br
     stacked = F.pad(w, (0, 0, 0, pad)) if pad else w
-    q = _q(stacked.reshape(e * (rows + pad), k), recipe, "weight")
+    q = _q(stacked.reshape(e * (rows + pad), k), recipe, "weight", None, reduce_amax)
     return q.dequantize(dtype).view(e, rows + pad, k)[:, :rows]
 
 
@@ -515,17 +537,21 @@ class _Fp8GroupedFn(torch.autograd.Function):
     quantization and a GEMM per expert. The weight gradient contracts over each group's own
     tokens, so its operands are re-tiled group by group, as the per-group path does.
     Same quantized values as the per-group path; only the GEMMs' FP32 summation order may
-    differ."""
+    differ. `reduce_amax` as in `fp8_linear`: rowwise reduces the row amaxes of the forward
+    operands when "input" is given (K sharded) and of the data-gradient operands when
+    "grad_output" is (N sharded); the block recipes need none."""
 
     @staticmethod
-    def forward(ctx, x, weight, sizes: list[int], recipe: Recipe, out_dtype, gemm_dtype):
+    def forward(ctx, x, weight, sizes: list[int], recipe: Recipe, out_dtype, gemm_dtype, red):
         with _no_autocast(x.device):
             offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-            xq = _q(x, recipe, "input").dequantize(gemm_dtype)  # (M, K), per-token scales
-            w = _expert_weights(weight, recipe, gemm_dtype)  # (E, N, K)
+            red_k = red["input"]
+            xq = _q(x, recipe, "input", None, red_k).dequantize(gemm_dtype)  # (M, K)
+            w = _expert_weights(weight, recipe, gemm_dtype, red_k)  # (E, N, K)
             y = torch._grouped_mm(xq, w.transpose(-2, -1), offs=offs)  # (M, N)
         ctx.save_for_backward(x, weight, offs)
         ctx.sizes, ctx.recipe, ctx.gemm_dtype = sizes, recipe, gemm_dtype
+        ctx.red_n = red["grad_output"]
         ctx.w_fwd = w if isinstance(recipe, BlockwiseScaling) else None  # 128 x 128: transposes
         return y.to(out_dtype)
 
@@ -535,11 +561,12 @@ class _Fp8GroupedFn(torch.autograd.Function):
         recipe, dt = ctx.recipe, ctx.gemm_dtype
         dx = dw = None
         with _no_autocast(dy.device):
-            dq = _q(dy, recipe, "grad_output")  # (M, N), tiles along N
+            dq = _q(dy, recipe, "grad_output", None, ctx.red_n)  # (M, N), tiles along N
             if ctx.needs_input_grad[0]:
                 wt = ctx.w_fwd
                 if wt is None:  # scales along K do not survive the transpose: along N now
-                    wt = _expert_weights(weight.transpose(-2, -1), recipe, dt).transpose(-2, -1)
+                    wt_n = weight.transpose(-2, -1)
+                    wt = _expert_weights(wt_n, recipe, dt, ctx.red_n).transpose(-2, -1)
                 dx = torch._grouped_mm(dq.dequantize(dt), wt, offs=offs).to(x.dtype)  # (M, K)
             if ctx.needs_input_grad[1]:
                 grads = []
@@ -551,7 +578,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                     xt = _q(xs.t(), recipe, "input")  # (K, m)
                     grads.append(fp8_gemm(dyt, xt, dt))  # (N, K)
                 dw = torch.stack(grads).to(weight.dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def fp8_grouped_linear(
@@ -563,6 +590,7 @@ def fp8_grouped_linear(
     states: list[dict[str, DelayedState | None]] | None = None,
     fp8_activation: bool = False,
     grouped: bool = True,
+    reduce_amax: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Per-group y_g = x_g W_gᵀ (+ b_g) for tokens sorted by group: x (tokens, in), weight
     (groups, out, in) -> (tokens, out); `recipe` None runs plain `F.linear`s.
@@ -578,7 +606,8 @@ def fp8_grouped_linear(
     computes nothing; under delayed scaling its histories still advance as TE's grouped
     linear advances them for an empty split (`_IdleGroupFn`), so every group's window spans
     the same micro-batches. The gradient of `weight` reaches every group through the slices
-    (zeros for idle groups)."""
+    (zeros for idle groups). `reduce_amax`: the roles sharded here (expert tensor
+    parallelism), as for `fp8_linear`; every rank of the group must pass the same sizes."""
     sizes = group_sizes.tolist() if torch.is_tensor(group_sizes) else list(group_sizes)
     if len(sizes) != weight.shape[0] or sum(sizes) != x.shape[0]:
         raise ValueError(
@@ -593,17 +622,20 @@ def fp8_grouped_linear(
         and _grouped_path(recipe, bias, fp8_activation)
         and grouped_mm_runs(x.device.type, gemm_dtype)
     ):
-        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, out_dtype, gemm_dtype)
+        red = {role: (reduce_amax or {}).get(role) for role in ROLES}
+        return _Fp8GroupedFn.apply(x, weight, sizes, recipe, out_dtype, gemm_dtype, red)
     outs = []
     for g, xs in enumerate(x.split(sizes)):
         w, b = weight[g], None if bias is None else bias[g]
         st = None if states is None else states[g]
         if xs.shape[0] == 0 and isinstance(recipe, DelayedScaling):
-            outs.append(_IdleGroupFn.apply(w, recipe, _checked_states(recipe, st), _out_dtype(xs)))
+            red_w = (reduce_amax or {}).get("weight")
+            st = _checked_states(recipe, st)
+            outs.append(_IdleGroupFn.apply(w, recipe, st, _out_dtype(xs), red_w))
         elif xs.shape[0] == 0:
             outs.append(xs.new_zeros(0, w.shape[0], dtype=_out_dtype(xs)))
         elif recipe is None:
             outs.append(F.linear(xs, w, b))
         else:
-            outs.append(fp8_linear(xs, w, b, recipe, st, fp8_activation))
+            outs.append(fp8_linear(xs, w, b, recipe, st, fp8_activation, reduce_amax))
     return torch.cat(outs)  # (tokens, out)

@@ -10,7 +10,8 @@ share one; that trades memory reads, outlier robustness and kernel simplicity.
   price of clipping when it grows faster than the history predicts. TE's bookkeeping is kept
   exactly (window roll, zero/non-finite amax keeps the old scale); we update right before
   each quantization instead of at `fp8_autocast` exit: the same sequence when a module runs
-  once per autocast region, without a global registry of modules.
+  once per autocast region, without a global registry of modules. `update="step"` updates
+  once per optimizer step instead (below).
 - **Current** (TE `Float8CurrentScaling`): one scale per tensor from its own amax; two reads,
   never stale. Per-tensor recipes let one outlier squeeze every other value.
 - **Rowwise** (torchao float8 "rowwise"): one scale per row along the contraction dimension;
@@ -35,6 +36,26 @@ amax, and rowwise the row amaxes of an operand whose contraction dimension is sh
 all-reduce MAX each). Under data parallelism delayed scaling's histories are reduced (max)
 after each micro-batch (`ParallelModel.sync_fp8_replicas`), as TE reduces over its
 `fp8_group`, so every rank scales as one process seeing all ranks' micro-batches would.
+
+When delayed scaling updates (`DelayedScaling.update`). TE records each quantization's amax
+into slot 0 of the window and, at the exit of the outermost `fp8_autocast`, reduces the amaxes
+over `fp8_group` and runs the update (scale from the window, roll by -1, zero slot 0):
+`FP8GlobalStateManager.reduce_and_update_fp8_tensors` in transformer_engine/pytorch/fp8.py
+(quantization.py in TE 2.x), the C API's
+`nvte_delayed_scaling_recipe_amax_and_scale_update_after_reduction`. Megatron-LM opens that
+context once around a micro-batch's whole TransformerBlock forward for delayed scaling
+(megatron/core/transformer/transformer_block.py, `use_outer_fp8_context`), so scales move
+per micro-batch: "microbatch" here, the default.
+Under pipeline schedules that run a chunk's micro-batches in two places at once (DualPipe's
+two copies of a chunk, dp replicas) no history rolling per micro-batch can equal one process:
+a copy's next scale would need the other copy's amaxes of the same step. "step" is TE's
+autocast region stretched over the optimizer step (its old `DelayedScaling(interval=...)`:
+"use scale factor from previous iteration"): every quantization in a step uses the scale set
+when the last step ended, amaxes recorded during the step merge by max into slot 0, and
+`end_step` -- called once after the step's micro-batches and every reduction of the state
+(dp replicas, DualPipe copies) -- computes the next scale and rolls the window once. Max is
+exact and order-free, so one process, dp replicas, pp ranks and DualPipe copies hold the
+same scales within a step and the same history after it.
 """
 
 from __future__ import annotations
@@ -58,6 +79,7 @@ from hyperloom.engine.fp8.quantize import (
 
 RECIPE_NAMES = ("delayed", "current", "rowwise", "blockwise", "mxfp8")
 AMAX_ALGOS = ("max", "most_recent")
+DELAYED_UPDATES = ("microbatch", "step")  # when delayed scaling moves its scales (docstring)
 
 
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -99,6 +121,7 @@ class DelayedScaling(_RecipeBase):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
+    update: str = "microbatch"  # "microbatch": before each quantization; "step": `end_step`
 
     name = "delayed"
 
@@ -112,6 +135,8 @@ class DelayedScaling(_RecipeBase):
             )
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0 (powers of two of headroom), got {self.margin}")
+        if self.update not in DELAYED_UPDATES:
+            raise ValueError(f"update {self.update!r} is not one of {DELAYED_UPDATES}")
 
 
 @dataclass(frozen=True)
@@ -172,10 +197,12 @@ class MXFP8Scaling(_RecipeBase):
 Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXFP8Scaling
 
 
-def recipe_from_name(name: str, high_precision: Iterable[str] = ()) -> Recipe:
+def recipe_from_name(
+    name: str, high_precision: Iterable[str] = (), delayed_update: str = "microbatch"
+) -> Recipe:
     """The recipe for a `precision.fp8` value, with its default settings; the GEMMs named in
     `high_precision` ("fprop", "dgrad", "wgrad") run in high precision
-    (`override_linear_precision`)."""
+    (`override_linear_precision`); `delayed_update` is delayed scaling's `update`."""
     table = {
         "delayed": DelayedScaling,
         "current": CurrentScaling,
@@ -188,7 +215,50 @@ def recipe_from_name(name: str, high_precision: Iterable[str] = ()) -> Recipe:
     high_precision = set(high_precision)
     if high_precision - set(GEMMS):
         raise ValueError(f"unknown GEMMs {sorted(high_precision - set(GEMMS))}; known: {GEMMS}")
-    return table[name](override_linear_precision=tuple(g in high_precision for g in GEMMS))
+    override = tuple(g in high_precision for g in GEMMS)
+    if name == "delayed":
+        return DelayedScaling(override_linear_precision=override, update=delayed_update)
+    if delayed_update != "microbatch":
+        raise ValueError(
+            f"delayed_update {delayed_update!r} applies to the delayed recipe only, not {name!r}"
+        )
+    return table[name](override_linear_precision=override)
+
+
+@torch.no_grad()
+def _roll_window(
+    history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, fmt_max
+) -> torch.Tensor:
+    """TE's `amax_and_scale_update` on (..., len, columns) windows and (..., columns) scales:
+    the scale from each window, then the window rotated by -1 with slot 0 zeroed (TE's
+    order), in place. `fmt_max`: the format's max, a float or one per column. Returns the
+    new scales (a new tensor)."""
+    amax = history.amax(dim=-2) if recipe.amax_compute_algo == "max" else history[..., 0, :]
+    # fmt_max x (1 / amax): what PyTorch makes of `float / tensor` (`Tensor.__rtruediv__`),
+    # so a per-column fmt_max tensor scales bit for bit like the float of one column.
+    new = amax.reciprocal() * fmt_max / (2.0**recipe.margin)
+    # An amax so small that fmt_max / amax overflows FP32 gets FP32's max (TE's third
+    # case): an Inf scale would turn the tensor's zeros into NaN (0 x Inf).
+    new = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
+    keep = (amax <= 0) | ~torch.isfinite(amax)
+    new = torch.where(keep, scale, new)
+    scale.copy_(new)
+    history.copy_(torch.roll(history, -1, dims=-2))
+    history[..., 0, :] = 0.0
+    return new
+
+
+@torch.no_grad()
+def end_step(
+    recipe: DelayedScaling, history: torch.Tensor, scale: torch.Tensor, fmt_max: torch.Tensor
+) -> None:
+    """The step-end update of `update="step"` (module docstring): every column's next scale
+    from its window, which then rolls once. history (..., len, columns), scale (...,
+    columns), `fmt_max` (columns,) the format's max per column (E4M3 or E5M2 by role).
+    Call it after the step's reductions of the state, never under `update="microbatch"`."""
+    if recipe.update != "step":
+        raise ValueError(f"end_step is for update='step', this recipe updates per {recipe.update}")
+    _roll_window(history, scale, recipe, fmt_max)
 
 
 class DelayedState:
@@ -206,26 +276,24 @@ class DelayedState:
 
     @torch.no_grad()
     def update_scale(self, recipe: DelayedScaling, fmt_max: float) -> torch.Tensor:
-        """Scale from the window, then rotate it (TE's order). Returns the new scale."""
-        h = self.history[:, self.column]  # (len,), a view
-        amax = h.max() if recipe.amax_compute_algo == "max" else h[0]
-        new = fmt_max / amax / (2.0**recipe.margin)
-        # An amax so small that fmt_max / amax overflows FP32 gets FP32's max (TE's third
-        # case): an Inf scale would turn the tensor's zeros into NaN (0 x Inf).
-        new = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
-        keep = (amax <= 0) | ~torch.isfinite(amax)
-        new = torch.where(keep, self.scale[self.column], new)
-        if self.frozen:
-            return new
-        self.scale[self.column] = new
-        h.copy_(torch.roll(h, -1))
-        h[0] = 0.0
-        return new
+        """Scale from the window, then rotate it (TE's order). Returns the new scale. Under
+        `update="step"` the scale `end_step` set stays for the whole step: returned as is."""
+        c = self.column
+        if recipe.update == "step":
+            return self.scale[c].clone()  # a copy: `end_step` writes the buffer in place
+        h, s = self.history[:, c : c + 1], self.scale[c : c + 1]  # (len, 1), (1,): views
+        if self.frozen:  # the same arithmetic on copies
+            h, s = h.clone(), s.clone()
+        return _roll_window(h, s, recipe, fmt_max)[0]
 
     @torch.no_grad()
-    def record(self, amax: torch.Tensor) -> None:
-        if not self.frozen:
-            self.history[0, self.column] = amax
+    def record(self, amax: torch.Tensor, merge: bool = False) -> None:
+        """Write this quantization's amax into the current slot; `merge` (update="step")
+        keeps the slot's max over the step's quantizations instead."""
+        if self.frozen:
+            return
+        slot = self.history[0, self.column]
+        self.history[0, self.column] = torch.maximum(slot, amax) if merge else amax
 
 
 @torch.no_grad()
@@ -237,7 +305,7 @@ def observe_empty(recipe: DelayedScaling, role: str, state: DelayedState) -> Non
     if recompute.replaying():  # the first pass took this turn already
         return
     state.update_scale(recipe, format_for(recipe.fp8_format, role).max)
-    state.record(torch.zeros((), device=state.history.device))
+    state.record(torch.zeros((), device=state.history.device), recipe.update == "step")
 
 
 def quantize_for(
@@ -270,7 +338,8 @@ def quantize_for(
         q = quantize_blocks(x, (rows, cols), fmt, scale.view(1, 1))
         if replay is None or not replay.replaying:  # a recompute records nothing
             amax = abs_max(x)
-            state.record(reduce_amax(amax) if reduce_amax is not None else amax)
+            amax = reduce_amax(amax) if reduce_amax is not None else amax
+            state.record(amax, merge=recipe.update == "step")
         return q
     if isinstance(recipe, RowwiseScaling):
         if reduce_amax is None:
@@ -302,6 +371,7 @@ __all__ = [
     "MXFP8Scaling",
     "Recipe",
     "RowwiseScaling",
+    "end_step",
     "observe_empty",
     "quantize_for",
     "recipe_from_name",

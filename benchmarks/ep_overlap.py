@@ -1,8 +1,10 @@
 """How much of the expert-parallel all-to-all time `parallel.ep_overlap` hides on this machine.
 
-Each layout (the moe-tiny preset, pipelined, experts split over ep) trains with the overlap off
-and on, from the same weights and batches, in one torchrun launch per world size (gloo on
-CPU); every rank times each step and reads `hyperloom.parallel.overlap.STATS`:
+Each layout (the moe-tiny preset, experts split over ep; pipelined, or at pp = 1 with
+`--microbatches` accumulated micro-batches, micro-batch i's forward beside i-1's backward)
+trains with the overlap off and on, from the same weights and batches, in one torchrun launch
+per layout (gloo on CPU); every rank times each step and reads
+`hyperloom.parallel.overlap.STATS`:
 
 - a2a in flight: the start-to-completion time of every all-to-all (dispatch and combine,
   forward and backward), per step, summed over the rank's collectives;
@@ -47,17 +49,27 @@ LAYOUTS = {  # name -> (world size, parallel args)
         8,
         "--parallel.pp 2 --parallel.dp 4 --parallel.ep 4 --parallel.pp_schedule dualpipe",
     ),
+    # pp = 1: gradient accumulation's pairs (`parallel.overlap_accum`)
+    "ep2 accum ddp": (2, "--parallel.dp 2 --parallel.ep 2 --parallel.zero 0"),
+    "ep2 accum zero1": (2, "--parallel.dp 2 --parallel.ep 2 --parallel.zero 1"),
+    "ep4 accum ddp": (4, "--parallel.dp 4 --parallel.ep 4 --parallel.zero 0"),
 }
 
 
-def job_args(seq: int, mbs: int, steps: int, microbatches: int, run_dir: str) -> list[str]:
+def job_args(
+    seq: int, mbs: int, steps: int, microbatches: int, run_dir: str, pipelined: bool = True
+) -> list[str]:
+    """The job; `microbatches` per step: the pipeline's, or at pp = 1 train.grad_accum."""
+    per_step = ("--parallel.microbatches", str(microbatches))
+    if not pipelined:
+        per_step = ("--train.grad_accum", str(microbatches))
     return [
         *("--model.preset", "moe-tiny", "--data.seq_len", str(seq)),
         *("--data.max_corpus_mb", "2", "--data.val_fraction", "0.1"),
         *("--train.micro_batch_size", str(mbs), "--train.eval_every", "0"),
         *("--train.eval_batches", "1"),
         *("--train.steps", str(steps), "--train.warmup_steps", "1", "--train.device", "cpu"),
-        *("--precision.dtype", "fp32", "--parallel.microbatches", str(microbatches)),
+        *("--precision.dtype", "fp32", *per_step),
         *("--logging.progress", "false", "--logging.plot", "false"),
         *("--logging.self_check", "off", "--logging.run_dir", run_dir),
     ]
@@ -94,12 +106,13 @@ def worker(spec_path: str) -> None:
             rows.append(torch.stack(everyone).mean(0).tolist())
         trace = []
         ex = getattr(trainer.pm, "executor", None)
-        if mode == "on" and ex is not None and ex.trace:  # the pair with the most a2a
-            act, duet = max(
-                ex.trace, key=lambda t: sum(sp.kind == "all-to-all" for sp in t[1].trace)
-            )
+        pairs = [(str(act), duet) for act, duet in ex.trace] if ex is not None else []
+        if trainer.overlapped is not None:  # pp = 1: F_i & B_{i-1}
+            pairs = [("&".join(duet.labels), duet) for duet in trainer.overlapped.trace]
+        if mode == "on" and pairs:  # the pair with the most a2a
+            act, duet = max(pairs, key=lambda t: sum(sp.kind == "all-to-all" for sp in t[1].trace))
             trace = [[sp.lane, sp.kind, sp.start, sp.end] for sp in duet.trace]
-            trace = {"pair": str(act), "labels": list(duet.labels), "spans": trace}
+            trace = {"pair": act, "labels": list(duet.labels), "spans": trace}
         result[mode] = {"steps": rows, "trace": trace}
         dist.barrier()
     if dist.get_rank() == 0:
@@ -110,10 +123,9 @@ def worker(spec_path: str) -> None:
 def run_layout(name: str, world: int, parallel: str, a: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"{name.replace(' ', '_')}.json"
     spec = tmp / f"{name.replace(' ', '_')}_spec.json"
-    args = (
-        job_args(a.seq_len, a.micro_batch, a.steps, a.microbatches, str(tmp / "run"))
-        + parallel.split()
-    )
+    run_dir, pipelined = str(tmp / "run"), "--parallel.pp" in parallel
+    args = job_args(a.seq_len, a.micro_batch, a.steps, a.microbatches, run_dir, pipelined)
+    args += parallel.split()
     spec.write_text(json.dumps({"args": args, "steps": a.steps, "out": str(out)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={world}", __file__, "--worker", str(spec)]
@@ -181,7 +193,9 @@ def main() -> None:
     p.add_argument("--only", default=",".join(LAYOUTS), help="comma-separated layout names")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=8, help="per pipelined step")
+    p.add_argument(
+        "--microbatches", type=int, default=8, help="per step: pipelined, or grad_accum at pp 1"
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="write the results here")

@@ -2,10 +2,12 @@
 
 With `checkpoint.format = "sharded"` a save costs no gather and no rank needs room for the
 whole model. Each rank hands DCP `model/<name>` and `optimizer/<name>/<key>` tensors that
-describe the global tensor and its piece: tp and ep shards as DTensors with `Shard(dim)`
-(no copy), FSDP2 parameters as the DTensors they are, replicated tensors plain (DCP writes one
-replica), ZeRO-1's flat moments in per-parameter form (`state_by_param`), and a pipeline rank
-only the parameters it reports. Loading reshards: a rank of any other layout asks for the
+describe the global tensor and its piece: tp, ep and etp shards as DTensors with
+`Shard(dim)` (no copy), an expert weight split over ep and then over etp as one on the 2-D
+(ep, etp) mesh (its offsets in the whole tensor along both dimensions), FSDP2 parameters as
+the DTensors they are, replicated tensors plain (DCP writes one replica), ZeRO-1's flat
+moments in per-parameter form (`state_by_param`), and a pipeline rank only the parameters
+it reports. Loading reshards: a rank of any other layout asks for the
 pieces it needs and DCP reads the overlapping bytes; one process loads whole tensors
 (`load_full`). Small non-tensor state goes into `train_state.pt`, as in the whole format.
 DCP is PyTorch's own format for this (torchtitan uses it) and does the resharding arithmetic.
@@ -70,40 +72,53 @@ class _Layout:
 
     def __init__(self, pm: ParallelModel) -> None:
         self.pm = pm
-        self._ep_mesh = None
+        self._meshes: dict[tuple[str, ...], object] = {}
 
-    def shard_mesh(self, p: torch.Tensor):
-        """The 1-D mesh a sharded parameter is split over: tp, or ep for expert weights."""
-        shard = shard_of(p)
-        if shard.then is not None or shard.over == "etp":  # the config refuses it
-            raise NotImplementedError("sharded checkpoints of etp-split experts: not built yet")
-        if shard.over != "ep":
+    def placement(self, p: torch.Tensor):
+        """(mesh, placements) of a sharded parameter: one mesh dimension per split of its
+        `Shard`, outermost first, each a `Shard(dim)` of the whole tensor. A tp or ep slice
+        lies on a 1-D mesh; an expert weight split over ep and then over etp on the 2-D
+        (ep, etp) mesh of this rank's two groups, so DCP records the slice's offsets in the
+        whole tensor along both dimensions and any layout reads the bytes it needs."""
+        chain = shard_of(p).chain()
+        key = tuple(s.over for s in chain)
+        if key not in self._meshes:
+            self._meshes[key] = self._mesh(key, [self.pm.group_of(s) for s in chain])
+        return self._meshes[key], [Shard(s.dim) for s in chain]
+
+    def _mesh(self, dims: tuple[str, ...], groups: list):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if dims == ("tp",):
             return self.pm.mesh.submesh("tp")
-        if self._ep_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            kind = self.pm.mesh.device_mesh.device_type
-            self._ep_mesh = DeviceMesh.from_group(self.pm.experts.group, kind)
-        return self._ep_mesh
+        kind = self.pm.mesh.device_mesh.device_type
+        if len(groups) == 1:
+            return DeviceMesh.from_group(groups[0], kind)
+        # Global ranks are linear in the mesh coordinates (row-major), so the rank at place
+        # (i, j, ...) is this rank moved along each group by its member's offset from here.
+        me = dist.get_rank()
+        grid = torch.tensor(me)
+        for group in groups:
+            offsets = torch.tensor(dist.get_process_group_ranks(group)) - me
+            grid = grid[..., None] + offsets  # (size_0, ..., size_k)
+        return DeviceMesh.from_group(groups, kind, mesh=grid, mesh_dim_names=dims)
 
     def global_view(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (parameter `p` or a moment shaped like it) as DCP should see it."""
-        shard = shard_of(p)
         t = t.detach()
-        if shard is None:
+        if shard_of(p) is None:
             return t  # replicated, or an FSDP2 DTensor over dp
         if isinstance(t, DTensor):  # FSDP2 x tp: this rank's tp piece, whole over dp
             t = t.full_tensor()
-        return DTensor.from_local(t, self.shard_mesh(p), [Shard(shard.dim)], run_check=False)
+        return DTensor.from_local(t, *self.placement(p), run_check=False)
 
     def empty_like(self, p: torch.Tensor) -> torch.Tensor:
         """A load target laid out like `global_view(p)`."""
-        shard = shard_of(p)
-        if shard is None:
+        if shard_of(p) is None:
             return torch.empty_like(p.detach())
         # p.shape is this rank's tp piece (for an FSDP2 DTensor: its shape over dp).
         local = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        return DTensor.from_local(local, self.shard_mesh(p), [Shard(shard.dim)], run_check=False)
+        return DTensor.from_local(local, *self.placement(p), run_check=False)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hyperloom.config.base import knob
+from hyperloom.config.precision import _SCALE_BLOCK
 
 if TYPE_CHECKING:
     from hyperloom.config.job import JobConfig
@@ -48,8 +49,9 @@ class ParallelConfig:
     ep_overlap: bool = knob(
         False,
         "overlap one micro-batch's expert-parallel all-to-alls with another's compute: "
-        "DualPipe's F&B pairs and the forward-backward pairs of interleaved and zb-v steady "
-        "states run as two alternating lanes (numbers unchanged)",
+        "DualPipe's F&B pairs, the forward-backward pairs of interleaved and zb-v steady "
+        "states, and at pp = 1 micro-batch i's forward beside i-1's backward (grad_accum >= "
+        "2) run as two alternating lanes (numbers unchanged)",
     )
     etp: int = knob(
         1,
@@ -300,13 +302,8 @@ def _overlap_problems(job: JobConfig) -> list[str]:
             f"parallel.ep > 1 and parallel.ep_dispatcher = 'alltoall' (got ep = {par.ep}, "
             f"ep_dispatcher = '{par.ep_dispatcher}')"
         )
-    if par.pp == 1:
-        out.append(
-            "parallel.ep_overlap runs inside a pipeline schedule's forward-backward pairs; "
-            "without one (parallel.pp = 1, gradient accumulation) it is not built: DDP would "
-            "reduce one micro-batch's gradients during the other's forward. Use parallel.pp "
-            f"> 1 with pp_schedule one of {', '.join(PAIRING_SCHEDULES)}"
-        )
+    if par.pp == 1:  # gradient accumulation's pairs (`parallel.overlap_accum`)
+        out += _accumulation_overlap_problems(job)
     elif par.pp_schedule not in PAIRING_SCHEDULES:
         out.append(
             f"parallel.ep_overlap runs pairs of one micro-batch's forward and another's "
@@ -322,9 +319,35 @@ def _overlap_problems(job: JobConfig) -> list[str]:
     return out
 
 
+def _accumulation_overlap_problems(job: JobConfig) -> list[str]:
+    """`parallel.ep_overlap` at pp = 1 pairs micro-batch i's forward with micro-batch i-1's
+    backward: it needs two micro-batches, and hooks that gather and free parameters per
+    block (FSDP2) or compiled graphs would run interleaved across the two."""
+    par, t, out = job.parallel, job.train, []
+    if t.grad_accum < 2:
+        out.append(
+            f"parallel.ep_overlap at parallel.pp = 1 runs micro-batch i's forward beside "
+            f"micro-batch i-1's backward: it needs train.grad_accum >= 2, got {t.grad_accum}"
+        )
+    if par.zero == 3:
+        out.append(
+            "parallel.ep_overlap at parallel.pp = 1 with parallel.zero = 3 is not supported: "
+            "FSDP2 gathers a block's parameters in its forward and frees them after its "
+            "backward, which two interleaved micro-batches would do to each other's blocks; "
+            "use parallel.zero = 0 (DDP) or 1 (ZeRO-1)"
+        )
+    if t.compile:
+        out.append(
+            "parallel.ep_overlap with train.compile is not built yet (the lanes hand over "
+            "between compiled graphs, untested); set train.compile false"
+        )
+    return out
+
+
 def _expert_tensor_parallel_problems(job: JobConfig) -> list[str]:
     """etp > 1 (`hyperloom.parallel.expert_tensor_parallel`): a divisor of tp, an MoE model
-    whose experts' hidden width splits into etp parts, and the combinations not built yet."""
+    whose experts' hidden width splits into etp parts, and under a block FP8 recipe parts of
+    whole scale blocks."""
     m, par, etp = job.model, job.parallel, job.parallel.etp
     if etp == 1:
         return []
@@ -345,35 +368,14 @@ def _expert_tensor_parallel_problems(job: JobConfig) -> list[str]:
             f"each expert tensor-parallel rank holds a whole share of every expert's hidden "
             f"width, {m.moe_ffn_dim} / {etp} = {m.moe_ffn_dim / etp:.4g}"
         )
-    refused = {
-        f"parallel.sp and parallel.tp = {par.tp}": (
-            par.sp and etp != par.tp,
-            "under sequence parallelism the rows are gathered over the etp group, and with "
-            "etp < tp the tp ranks outside it would hold other rows for the same slices "
-            "(their gradient sum is not built yet); use parallel.etp = tp or 1",
-        ),
-        f"parallel.zero = {par.zero}": (
-            par.zero == 3,
-            "FSDP2 over etp-split experts is not built yet; use parallel.zero = 0 or 1",
-        ),
-        f"precision.fp8 = '{job.precision.fp8}'": (
-            job.precision.fp8 != "none",
-            "FP8 expert GEMMs on an etp slice (amax reductions over etp) are not built yet; "
-            "use precision.fp8 = 'none' or parallel.etp = 1",
-        ),
-        "parallel.ep_overlap": (
-            par.ep_overlap,
-            "the overlapped lanes do not carry the etp all-reduces yet; use one of the two",
-        ),
-        "checkpoint.format = 'sharded'": (
-            job.checkpoint.format == "sharded",
-            "sharded checkpoints of etp-split experts are not built yet; use "
-            "checkpoint.format = 'whole' (it loads into any etp)",
-        ),
-    }
-    for what, (bad, why) in refused.items():
-        if bad:
-            out.append(f"parallel.etp = {etp} with {what} is not supported: {why}")
+    elif (m.moe_ffn_dim // etp) % _SCALE_BLOCK.get(job.precision.fp8, 1):
+        block = _SCALE_BLOCK[job.precision.fp8]
+        out.append(
+            f"precision.fp8 = '{job.precision.fp8}' with parallel.etp = {etp}: each rank's "
+            f"slice of model.moe_ffn_dim, {m.moe_ffn_dim} / {etp} = {m.moe_ffn_dim // etp}, "
+            f"is not a multiple of the {block}-element scale block, so blocks would straddle "
+            f"ranks; make model.moe_ffn_dim a multiple of {block * etp}"
+        )
     return out
 
 

@@ -13,6 +13,15 @@ ranks (w1, w3 column-parallel, w2 row-parallel) and sets `hidden_split`, an obje
 group; under sequence parallelism every rank's, gathered and regrouped by expert) and whose
 `leave` sums the partial outputs over the group: Megatron's column/row pair around the bank.
 The model code cannot import `hyperloom.parallel`, which provides it.
+
+FP8 on such a slice quantizes as one process would: `hidden_split.reduce_max` (an all-reduce
+MAX over the group) reaches the engine for the operands that are slices of a whole one, as
+for the dense tensor-parallel linears: w1 and w3 (column-parallel) their weight and output
+gradient, w2 (row-parallel) its input, the hidden activations, and its weight. Per-tensor
+recipes (delayed, current) then scale with the whole tensor's amax, and delayed histories
+record it, the same on every rank of the group; rowwise reduces the row amaxes where the
+contraction dimension is the sliced one; block recipes need slices of whole blocks (checked
+where the split is made). The rows entering w1 and w3 are the same on every rank already.
 """
 
 from __future__ import annotations
@@ -80,6 +89,9 @@ class Experts(Fp8State, nn.Module):
     """E SwiGLU experts, weights (E, out, in); input tokens sorted by expert."""
 
     GEMMS = ("w1", "w3", "w2")  # delayed scaling: the column blocks of each expert's state
+    # Under `hidden_split`, the FP8 roles whose tensor is a slice of the one-process tensor:
+    # w1, w3 split along their output features, w2 along its input features (module doc).
+    SPLIT_ROLES = (("weight", "grad_output"), ("weight", "grad_output"), ("input", "weight"))
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -92,7 +104,8 @@ class Experts(Fp8State, nn.Module):
         self.fp8_activation = False
         self.register_buffer("fp8_amax_history", None)  # delayed scaling only (enable_fp8)
         self.register_buffer("fp8_scale", None)
-        # expert tensor parallelism: enter(x, counts) -> (rows, counts, undo), leave(out, undo)
+        # expert tensor parallelism: enter(x, counts) -> (rows, counts, undo), leave(out,
+        # undo), reduce_max(amax) -> its maximum over the group (FP8)
         self.hidden_split = None
 
     def enable_fp8(self, recipe: Recipe, fp8_activation: bool = False) -> bool:
@@ -117,12 +130,21 @@ class Experts(Fp8State, nn.Module):
         """The bank's SwiGLU on this rank's weights (a partial sum under `hidden_split`)."""
         recipe = active_recipe(self.recipe) if self.recipe is not None else None
         if recipe is not None:
-            sizes = counts.tolist()
+            sizes, split = counts.tolist(), self.hidden_split
 
             def fp8_mm(a: torch.Tensor, w: torch.Tensor, gemm: int) -> torch.Tensor:
                 states = [self._states(recipe, gemm, e) for e in range(len(sizes))]
+                reduce = None
+                if split is not None:
+                    reduce = dict.fromkeys(self.SPLIT_ROLES[gemm], split.reduce_max)
                 return fp8_grouped_linear(
-                    a, w, sizes, recipe, states=states, fp8_activation=self.fp8_activation
+                    a,
+                    w,
+                    sizes,
+                    recipe,
+                    states=states,
+                    fp8_activation=self.fp8_activation,
+                    reduce_amax=reduce,
                 )
 
             h = ops.swiglu(fp8_mm(x, self.w1, 0), fp8_mm(x, self.w3, 1), self.ops.swiglu)

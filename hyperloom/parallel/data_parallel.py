@@ -10,7 +10,11 @@ autograd's hooks.
 
 FSDP2 leaves whole the parameters no gradient reaches (a MoE router's `expert_bias`, which
 balancing moves in place after each step, on every rank alike), and shards expert banks split
-over ep over their own replicas (the expert-data-parallel group), like torchtitan.
+over ep over their own replicas (the expert-data-parallel group), like torchtitan. Under
+expert tensor parallelism (`parallel.etp`) a bank's parameters are already this rank's etp
+slices of its experts: FSDP2 shards the slice (its `Shard` record, ep then etp, carried over),
+and the gradient norm sums a slice's squares over etp before the sum over dp
+(`ParallelModel.clip_grad_norm`).
 
 FSDP2's mixed precision (`parallel.fsdp_param_dtype`, `fsdp_reduce_dtype`; PyTorch's
 `MixedPrecisionPolicy`, as torchtitan sets it): the sharded parameters, which the optimizer
@@ -141,8 +145,9 @@ def fsdp_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy | N
 def _shard_experts(
     model: nn.Module, experts: ExpertParallelism, device_type: str, mp_policy: MixedPrecisionPolicy
 ) -> set:
-    """FSDP2 on each expert bank over the expert-data-parallel group; the sharded gradient is
-    summed there and divided by the whole dp, as `ExpertParallelism.reduce_grads` makes it.
+    """FSDP2 on each expert bank (this rank's experts, or their etp slices) over the
+    expert-data-parallel group; the sharded gradient is summed there and divided by the whole
+    dp, as `ExpertParallelism.reduce_grads` makes it.
     Without that group (dp x cp = ep) nothing to shard: returns the expert parameters, to be
     left alone (`finish_grads` reduces them)."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -13,12 +13,24 @@ results: nothing is reduced between them, and a weight's gradient is its one-pro
 
 Expert weights carry `Shard(1 or 2, etp_rank, etp, over="etp")`, nested under the expert-
 parallel `Shard(0, ..., over="ep")` when ep > 1 (`Shard.then`), so checkpoints, init and the
-gradient norm see the whole tensors. Under sequence parallelism (etp = tp) the ranks' rows
-differ: `ExpertTensorSplit` gathers and reduce-scatters them, and a slice's gradient, made
-from the whole group's rows, is not summed over tp again (`parallelize` takes the split
-weights out of the sequence-parallel partial-gradient sums). Not built yet (refused by the
-config): sp with etp < tp, FSDP2, FP8 expert GEMMs, the overlapped ep lanes and sharded
-checkpoints.
+gradient norm see the whole tensors. Under sequence parallelism the ranks' rows differ:
+`ExpertTensorSplit` gathers and reduce-scatters them over the etp group. With etp = tp a
+slice's gradient, made from the whole tp group's rows, is not summed over tp again
+(`parallelize` takes the split weights out of the sequence-parallel partial-gradient sums);
+with etp < tp the tp / etp ranks holding the same slice (one per etp group, the mesh's
+"etp_replica" group) each made it from their own group's rows, and `finish_grads` sums it
+over them. FSDP2 shards a bank's slices like any parameter, over the expert-data-parallel
+group under ep; sharded checkpoints record an ep-then-etp slice on the 2-D (ep, etp) mesh.
+
+FP8 expert GEMMs quantize each slice with the whole tensor's scales: the bank hands the
+engine `ExpertTensorSplit.reduce_max` (an all-reduce MAX over etp) for its sliced operands
+(`models.experts`), as the dense tensor-parallel linears do; block recipes need slices of
+whole blocks (`check_fp8_blocks`). Under the overlapped ep lanes (`parallel.ep_overlap`)
+the etp collectives run synchronously inside a lane. That is safe: lanes switch only where
+one waits for an all-to-all it started (`overlap.Duet`), so which lane runs when is fixed by
+the program, identical on every rank of a tp group, and each etp group meets its
+collectives in the same order on all its ranks; the all-to-alls stay hidden
+(tests/distributed/test_etp_compose.py).
 """
 
 from __future__ import annotations
@@ -26,8 +38,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from hyperloom.engine.fp8.recipes import BlockwiseScaling, MXFP8Scaling
 from hyperloom.models.experts import Experts
 from hyperloom.models.shard import Shard, set_shard, shard_of, whole_sequence
 from hyperloom.parallel import tensor_parallel as tpl
@@ -65,6 +79,27 @@ class ExpertTensorSplit:
             return tpl.reduce_from_tp(out, self.group)
         return scatter_rows(out, undo, self.group)
 
+    def reduce_max(self, amax: torch.Tensor) -> torch.Tensor:
+        """An FP8 amax of this rank's slice -> its maximum over the group: the whole
+        tensor's (`models.experts`: the bank passes it for the sliced operands)."""
+        return tpl._all_reduce_op(amax, self.group, dist.ReduceOp.MAX)
+
+
+def check_fp8_blocks(bank: Experts, path: str, etp: int) -> None:
+    """Block recipes on an etp slice: each scale block must lie inside one slice of the
+    hidden width (1 x 128 / 128 x 128 blockwise, 1 x 32 MXFP8), or a block would straddle
+    ranks and its scale differ from one process's."""
+    recipe = bank.recipe
+    if not isinstance(recipe, (BlockwiseScaling, MXFP8Scaling)):
+        return
+    width = bank.w1.shape[1] // etp
+    if width % recipe.block:
+        raise ValueError(
+            f"{path}: FP8 {recipe.name} on an etp slice of {width} hidden features (hidden "
+            f"width {bank.w1.shape[1]} / etp {etp}), not a multiple of the {recipe.block}-"
+            f"element scale block; make the hidden width a multiple of etp * {recipe.block}"
+        )
+
 
 def apply_expert_tensor_parallel(
     model: nn.Module,
@@ -83,8 +118,7 @@ def apply_expert_tensor_parallel(
     whole = whole_sequence(model)
     banks = [(path, m) for path, m in model.named_modules() if isinstance(m, Experts)]
     for path, bank in banks:
-        if bank.recipe is not None:
-            raise ValueError("parallel.etp > 1 with FP8 expert GEMMs is not built yet")
+        check_fp8_blocks(bank, path, etp)
         for name, dim in HIDDEN_DIM.items():
             old = getattr(bank, name)
             if old.shape[dim] % etp:

@@ -152,16 +152,22 @@ class ParallelModel:
                     m.reshard()
 
     def finish_grads(self) -> None:
-        """After backward: sum the sequence-parallel norms' weight gradients over tp;
+        """After backward: sum the sequence-parallel norms' weight gradients over tp (expert
+        slices split over etp < tp: over the ranks holding the same slice, "etp_replica");
         reduce the expert weights' gradients (which DDP leaves alone) over their replicas."""
         if self.experts is not None and self.reduces_expert_grads():
             self.experts.reduce_grads(self.inner)
-        group = self.tp_group
-        if group is None:
+        if self.tp_group is None:
             return
-        grads = [self.inner.get_parameter(n).grad for n in self.sp_params]
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
-        all_reduce_coalesced(grads, group)
+        by_group: dict[str, list[torch.Tensor]] = {"tp": [], "etp_replica": []}
+        for n in self.sp_params:
+            p = self.inner.get_parameter(n)
+            if p.grad is not None:
+                split = shard_of(p) is not None and shard_of(p).splits("etp")
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                by_group["etp_replica" if split else "tp"].append(g)
+        for dim, grads in by_group.items():
+            all_reduce_coalesced(grads, self.mesh.group(dim))
 
     def reduces_expert_grads(self) -> bool:
         """Whether `finish_grads` reduces the expert gradients: not under ZeRO-1, whose

@@ -9,8 +9,10 @@ and optimizer state reduce (Megatron's data-context group). Expert parallelism f
 so `ep` must divide dp x cp. HSDP (`parallel.dp_replicate`) splits each dcp line into
 dp_replicate runs of consecutive ranks: "dp_shard" names a run (FSDP2 shards over it),
 "dp_replicate" the ranks at the same place in every run (they hold the same shards and
-all-reduce their gradients). A single process gets a mesh of size 1 and no groups, and
-the layers skip their collectives.
+all-reduce their gradients). Expert tensor parallelism (`parallel.etp`) cuts each tp line
+into runs of etp consecutive ranks ("etp"); "etp_replica" names the ranks at the same place
+in every run, which hold the same expert slices. A single process gets a mesh of size 1 and
+no groups, and the layers skip their collectives.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class ParallelMesh:
     def size(self, dim: str) -> int:
         if dim == "etp":
             return self.etp
+        if dim == "etp_replica":  # the tp ranks holding the same etp slice
+            return self.sizes["tp"] // self.etp
         if dim == "dcp":
             return self.sizes["dp"] * self.sizes["cp"]
         if dim in ("dp_replicate", "dp_shard"):
@@ -118,15 +122,20 @@ class ParallelMesh:
             return self.rank("dp") * self.sizes["cp"] + self.rank("cp")
         if dim == "etp":
             return self.rank("tp") % self.etp
+        if dim == "etp_replica":
+            return self.rank("tp") // self.etp
         if dim in ("dp_replicate", "dp_shard"):
             run, place = divmod(self.rank("dcp"), self.size("dp_shard"))
             return run if dim == "dp_replicate" else place
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str):
-        """Process group of `dim` (or "dcp", or "etp"), or None when it has size 1 (nothing to
-        communicate). The "dcp" and "etp" groups are collectives to create the first time:
-        every rank asks for them at the same point (`build_mesh` does)."""
+        """Process group of `dim` (or "dcp", "etp", "etp_replica"), or None when it has size 1
+        (nothing to communicate). "etp_replica": the tp / etp ranks of a tp group at the same
+        place in their etp runs, which hold the same expert slices (their gradients are summed
+        under sequence parallelism, `ParallelModel.finish_grads`). The "dcp" and "etp" groups
+        are collectives to create the first time: every rank asks for them at the same point
+        (`build_mesh` does)."""
         if self.size(dim) == 1 or self.device_mesh is None:
             return None
         if dim == "etp":
@@ -135,6 +144,14 @@ class ParallelMesh:
             if dim not in self._groups:  # consecutive runs of etp ranks along each tp line
                 etp, tp = self.etp, self.sizes["tp"]
                 runs = [line[i : i + etp] for line in self._lines("tp") for i in range(0, tp, etp)]
+                self._groups[dim] = self._new_groups(runs)
+            return self._groups[dim]
+        if dim == "etp_replica":
+            if self.etp == 1:  # experts whole on every tp rank
+                return self.group("tp")
+            if dim not in self._groups:  # the ranks etp apart along each tp line
+                etp = self.etp
+                runs = [line[j::etp] for line in self._lines("tp") for j in range(etp)]
                 self._groups[dim] = self._new_groups(runs)
             return self._groups[dim]
         if dim in ("dp_replicate", "dp_shard"):
@@ -250,8 +267,9 @@ def build_mesh(cfg: ParallelConfig, acc: Accelerator) -> ParallelMesh:
 
     device_mesh = init_device_mesh(acc.kind, tuple(sizes.values()), mesh_dim_names=order)
     mesh = ParallelMesh(sizes, order, device_mesh, etp=cfg.etp, dp_replicate=cfg.dp_replicate)
-    for dim in ("dcp", "etp", "dp_replicate", "dp_shard"):  # collectives: made here, where
-        mesh.group(dim)  # every rank passes
+    # collectives: made here, where every rank passes
+    for dim in ("dcp", "etp", "etp_replica", "dp_replicate", "dp_shard"):
+        mesh.group(dim)
     log.info("device mesh %s on %s (backend %s)", mesh.describe(), acc.kind, acc.backend)
     return mesh
 

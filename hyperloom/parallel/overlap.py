@@ -12,7 +12,13 @@ CPU and NCCL on GPU both support), passes the baton before it is waited for
 each micro-batch runs exactly the operations it runs alone: the numbers are those of the
 sequential pair, and the switch points are the same on every rank of a group, so
 collectives meet in the same order everywhere. The backward's collectives, inside autograd,
-switch the same way, whichever thread autograd runs them on.
+switch the same way, whichever thread autograd runs them on. Collectives a lane runs
+synchronously (the tensor- and expert-tensor-parallel all-reduces, the count exchange) are
+no switch points and need none: the holder blocks until the group's other ranks, which run
+the same lanes switching at the same points, reach the same call.
+
+Duets run the pipeline executor's FB actions and, without a pipeline, gradient
+accumulation's micro-batch i forward beside i-1's backward (`overlap_accum`).
 
 Lanes start from the caller's context variables (FP8 autocast and friends) and grad mode;
 torch's thread-local modes entered inside a lane stay in it. The two lane threads live for

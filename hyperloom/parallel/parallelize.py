@@ -51,7 +51,8 @@ SLOTS = ("fp8", "tensor", "context", "expert", "recompute", "data_parallel", "co
 class Sharding:
     """What the meta-device slots did to one model or chunk, for the layout to use later."""
 
-    # parameters whose gradients are summed over tp after backward (sequence-parallel norms)
+    # parameters whose gradients are summed over tp after backward (sequence-parallel norms;
+    # expert slices split over etp < tp: over the ranks holding the same slice)
     sp_params: list[str] = field(default_factory=list)
     experts: ExpertParallelism | None = None  # routed experts split over ep
     etp_params: list[str] = field(default_factory=list)  # expert weights split over etp
@@ -97,9 +98,12 @@ def parallelize(
         out.etp_params = apply_expert_tensor_parallel(
             model, mesh.group("etp"), mesh.rank("etp"), mesh.size("etp"), partial, sp
         )
-        # a slice's gradient comes from the whole etp group's rows: no sum over tp after
-        split = set(out.etp_params)
-        out.sp_params = [n for n in out.sp_params if n not in split]
+        # Under sp a slice's gradient comes from its etp group's rows: with etp = tp those are
+        # the whole tp group's (no sum after); with etp < tp the slice's other holders saw the
+        # other rows, so it stays a partial sum, over "etp_replica" (`finish_grads`).
+        if mesh.size("etp") == mesh.size("tp"):
+            split = set(out.etp_params)
+            out.sp_params = [n for n in out.sp_params if n not in split]
     t = job.train
     out.recomputed = apply_recompute(
         model, t.recompute, t.recompute_layers, plans.recompute_plan(job.model), partial=partial

@@ -37,12 +37,13 @@ from hyperloom.data.multimodal import (
     multimodal_val_batches,
 )
 from hyperloom.data.sft_packing import SFTLoader, sft_val_batches
-from hyperloom.engine.fp8 import fp8_state_dict, load_fp8_state_dict
+from hyperloom.engine.fp8 import end_fp8_step, fp8_state_dict, load_fp8_state_dict
 from hyperloom.engine.ops.kernels import preload_triton
 from hyperloom.models.freeze import freeze_problems
 from hyperloom.models.registry import build_model, family
 from hyperloom.parallel import build_mesh, build_parallel_model, init_distributed, overlap
 from hyperloom.parallel.context_parallel import context_shard
+from hyperloom.parallel.overlap_accum import OverlappedAccumulation
 from hyperloom.pipeline.runtime import build_pipeline
 from hyperloom.resilience.guard import Guard
 from hyperloom.train.optim import build_optimizer, lr_at
@@ -112,6 +113,9 @@ class Trainer:
         self.model = self.pm.inner
         self.fwd = self.pm.forward_module
         self.optimizer = build_optimizer(self.pm, t)
+        # parallel.ep_overlap without a pipeline: micro-batch i's forward beside i-1's backward
+        overlapped = cfg.parallel.ep_overlap and not self.pm.pipelined
+        self.overlapped = OverlappedAccumulation(self.pm) if overlapped else None
         # Every data-parallel rank draws the same global batch and keeps its own rows, so a
         # layout sees exactly the sequences a single process with dp x the batch would.
         self.dp, self.dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
@@ -336,27 +340,34 @@ class Trainer:
             return inputs, labels
         return self.context.shard(inputs), self.context.shard(labels)
 
+    def _micro_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward under autocast: its loss over train.grad_accum. The
+        model computes its own loss from the final hidden states, so a fused head never
+        materialises the logits (vocab-parallel under tp)."""
+        with self.acc.autocast(self.dtype):
+            return self.fwd(inputs, labels=labels) / self.cfg.train.grad_accum
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss on this rank, grad norm) as device tensors."""
         t = self.cfg.train
         self.pm.module.train()
         total = torch.zeros((), device=self.acc.device)
-        for i in range(t.grad_accum):
+        if self.overlapped is not None:  # F_i beside B_{i-1}, reduced as DDP would
+            total += self.overlapped.run(t.grad_accum, self._local_batch, self._micro_loss)
+        for i in range(0 if self.overlapped is not None else t.grad_accum):
             inputs, labels = self._local_batch()
             if self.pm.pipelined:  # forward and backward as the schedule says
                 total += self.pm.run_step(inputs, labels, scale=1.0 / t.grad_accum)
                 continue
             with self.pm.sync_context(last_micro_batch=i == t.grad_accum - 1):
-                with self.acc.autocast(self.dtype):
-                    # The model computes its own loss from the final hidden states, so a
-                    # fused head never materialises the logits (vocab-parallel under tp).
-                    loss = self.fwd(inputs, labels=labels) / t.grad_accum
+                loss = self._micro_loss(inputs, labels)
                 loss.backward()
             # Delayed FP8 scaling: the dp replicas' amaxes of this micro-batch, reduced.
             self.pm.sync_fp8_replicas(recent=1)
             total += loss.detach()
         self.guard.inject_grads(self.step + 1, total)  # fault drills only
         grad_norm = self.pm.reduce_and_clip(self.optimizer, t.grad_clip)
+        end_fp8_step(self.model)  # delayed FP8 'step': scales move once, after all reductions
         lr = lr_at(self.step, t) * self.guard.lr_scale  # lowered by rollbacks
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -46,6 +46,8 @@ def _train(args: list[str], world: int) -> dict:
     weights = {n: p.detach().clone() for n, p in trainer.pm.local_params()}
     ex = getattr(trainer.pm, "executor", None)
     duets = [] if ex is None else [d for _, d in ex.trace]
+    if trainer.overlapped is not None:  # pp = 1: gradient accumulation's pairs
+        duets = trainer.overlapped.trace
     return {
         "loss": losses,
         "norm": norms,

@@ -65,30 +65,35 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("event") == "train"]
 
 
+def train_layouts(
+    out: Path, job, jobs_train, layouts: dict, saved: dict, saved_world: int, **kw
+) -> Path:
+    """One launch per world size under `out/w{world}`: `layouts` (name: (world, overrides)),
+    one process's reference ("moe") and a run `saved` in the `saved_world` launch that
+    resumes in one process ("resumed"). `kw` goes to `jobs_train`."""
+
+    def launch(world: int, cases: list[tuple[str, dict]]) -> None:
+        cases = [(n, override_args(**a)) for n, a in cases]
+        result = jobs_train(out / f"w{world}", world, job, cases, **kw)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def of(world: int) -> list[tuple[str, dict]]:
+        return [(name, extra) for name, (w, extra) in layouts.items() if w == world]
+
+    launch(saved_world, [*of(saved_world), ("saved", saved)])
+    shutil.copytree(out / f"w{saved_world}" / "saved", out / "w1" / "resumed")
+    one = {"train__micro_batch_size": GLOBAL_BATCH}
+    launch(1, [("moe", one), ("resumed", one)])
+    for world in sorted({w for w, _ in layouts.values()} - {saved_world}):
+        launch(world, of(world))
+    return out
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_job_args, jobs_train, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-etp")
     job = tiny_job_args(out / "unused", **MOE_TINY)
-
-    def launch(world: int, cases: list[tuple[str, dict]]) -> None:
-        cases = [(n, override_args(**a)) for n, a in cases]
-        result = jobs_train(out / f"w{world}", world, job, cases, shapes=True)
-        assert result.returncode == 0, result.stderr[-3000:]
-
-    def layouts(world: int) -> list[tuple[str, dict]]:
-        return [(name, extra) for name, (w, extra) in LAYOUTS.items() if w == world]
-
-    launch(2, [*layouts(2), ("saved", SAVED)])
-    shutil.copytree(out / "w2" / "saved", out / "w1" / "resumed")  # resumed in one process
-    launch(
-        1,
-        [
-            ("moe", {"train__micro_batch_size": GLOBAL_BATCH}),
-            ("resumed", {"train__micro_batch_size": GLOBAL_BATCH}),
-        ],
-    )
-    launch(4, layouts(4))
-    return out
+    return train_layouts(out, job, jobs_train, LAYOUTS, SAVED, 2, shapes=True)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

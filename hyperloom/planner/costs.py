@@ -17,26 +17,22 @@ comm - eta * min(comm, compute of the same pass) with the runtime's overlap eta:
   each exchange exposes only what exceeds its step's compute; backward also passes the FP32
   dK/dV accumulators round (cp exchanges, each behind the next step, the last exposed).
   Ulysses (alltoall): q, k, v and the output all-to-all'd each way, nothing hidden;
-- ZeRO-3: each layer's parameters gathered forward and backward, `Runtime.param_gather_bytes`
-  per element (hyperloom's FSDP2 gathers its FP32 parameters unless `parallel.fsdp_param_dtype`
-  is bf16; Megatron gathers BF16; `zero3_gather_groups`), over one HSDP replica group when
-  `Strategy.dp_replicate` > 1; the root module's (embedding, head) once per micro-batch,
-  exposed (`root_gather`);
+- ZeRO-3 (`fsdp.py`): each layer's gathers forward and backward, the root module's once per
+  micro-batch, FSDP2's copies on the compute stream;
 - EP: dispatch and combine each way, tokens x top_k x dim elements times `moe_imbalance`
   (the busiest receiver sets the pace), as an all-to-all or the all-gather dispatcher's
   gather/reduce-scatter pair; optionally FP8 dispatch; hidden only inside overlapped FB
   pairs (`ep_pair_hidden`, with `Strategy.ep_overlap`);
-- expert tensor parallelism (`Strategy.etp`, e = etp or tp ranks split each routed expert):
-  with sp (and with etp unset whatever sp says, the Megatron layout) the etp group gathers
-  the dispatched rows and reduce-scatters the outputs, each way, at ep > 1 (at ep = 1 the
-  FFN block's sp gather and reduce-scatter over tp carry them); without sp an all-reduce
-  over e of the routed rows' outputs forward and of their input gradient backward, at any ep.
+- expert tensor parallelism (`Strategy.etp`, e ranks split each routed expert): with sp (or
+  etp unset, Megatron's layout) the etp group gathers the dispatched rows and reduce-scatters
+  the outputs each way at ep > 1 (at ep = 1 the FFN block's sp collectives carry them);
+  without sp an all-reduce over e of the routed outputs and their input gradient, at any ep.
 
-Per step (`dp_sync`): the dp gradient reduction per ZeRO mode (HSDP: the reduce-scatter over
-a replica group, then the all-reduce of its shard across the groups), minus what the runtime overlaps
-(the last bucket always exposed), expert gradients over their own group, with sp and
-etp < tp the routed experts' gradients summed over the tp / etp ranks holding the same slices
-(exposed), then Adam as memory traffic over the rank's state.
+Per step (`dp_sync`): the dp gradient reduction per ZeRO mode (HSDP: reduce-scatter over a
+replica group, then the shard's all-reduce across groups) minus what the runtime overlaps (the
+last bucket always exposed), expert gradients over their own group, with sp and etp < tp the
+routed experts' gradients summed over the tp / etp ranks holding the same slices (exposed),
+then Adam as memory traffic over the rank's state.
 """
 
 from __future__ import annotations
@@ -55,6 +51,8 @@ from hyperloom.planner.collectives import (
     p2p_link,
     strides,
 )
+from hyperloom.planner.fsdp import zero3_gather_groups as zero3_gather_groups  # re-exported
+from hyperloom.planner.fsdp import zero3_layer_traffic
 from hyperloom.planner.hardware import Cluster, HardwareProfile
 from hyperloom.planner.memory import ce_chunk_tokens
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
@@ -179,66 +177,12 @@ def gemm_passes(acc: HardwareProfile, gemms: tuple, fp8: bool) -> tuple[float, f
     """(forward, data-gradient, weight-gradient) seconds of a layer's GEMMs, each linear's
     three forms at their own shapes, with FP8's input quantisation (read 2 bytes, write 1)
     in every pass. Cached: a search meets the same layer under many strategies."""
-    forms = [acc.gemm_times(g.m, g.n, g.k, fp8, g.count) for g in gemms]
+    forms = [acc.gemm_times(g.m, g.n, g.k, fp8, g.count, g.groups) for g in gemms]
     f, b, w = (sum(t[i] for t in forms) for i in range(3))
     if fp8:
         quant = acc.memory_time(3.0 * sum(g.m * g.k for g in gemms))
         f, b, w = f + quant, b + quant, w + quant
     return f, b, w
-
-
-def zero3_gather_groups(spec: ModelSpec, s: Strategy) -> list[tuple[float, int, str]]:
-    """(parameters, ranks, the `Links` field of their link) of each group one layer's FSDP2
-    gathers run over, once per pass: the rank's tp share of the layer over dp x cp; at
-    ep > 1 its local experts over the expert-data-parallel group instead; routed experts
-    split over etp ranks, not tp."""
-    t, e = s.tp, s.etp_size
-    if s.dp_replicate > 1:  # HSDP (no experts): gathered over one replica group
-        return [(spec.layer_params() / t, s.fsdp_shard, "shard")]
-    if e == t:
-        groups = [(spec.layer_params() / t, s.dcp, "dp")]
-        if s.ep > 1:  # the local experts are gathered over the expert-data-parallel group
-            expert = spec.layer_expert_params() / t
-            groups = [((spec.layer_params() - expert * t) / t, s.dcp, "dp")]
-            groups.append((expert / s.ep, s.edp, "edp"))
-        return groups
-    routed = spec.layer_expert_params()
-    dense = (spec.layer_params() - routed) / t
-    if s.ep > 1:
-        return [(dense, s.dcp, "dp"), (routed / e / s.ep, s.edp, "edp")]
-    return [(dense + routed / e, s.dcp, "dp")]
-
-
-def root_gather(spec: ModelSpec, s: Strategy, rt: Runtime, links: Links, last: bool) -> Phase:
-    """FSDP2's gather of the root module's parameters on one chunk, once per micro-batch
-    forward before anything can run (exposed): the embedding (`last=False`) or the final
-    norm and an untied head (`last=True`); 0 unless ZeRO-3 shards over several ranks."""
-    if s.zero != 3 or s.dcp <= 1:
-        return Phase()
-    params = spec.embedding_params() / s.tp
-    if last:
-        params = spec.dim + (0.0 if spec.tie_embeddings else params)
-    link = links.shard if links.shard is not None else links.dp
-    t = collective_time("all_gather", s.fsdp_shard, rt.param_gather_bytes * params, link)
-    return Phase(f=t, dp_comm=t)
-
-
-def fsdp2_copy_time(
-    gathered: float, s: Strategy, acc: HardwareProfile, rt: Runtime
-) -> tuple[float, float]:
-    """(forward, backward) seconds of FSDP2's copies on the compute stream for one layer and
-    micro-batch, `gathered` the elements one gather brings (PyTorch's `_fully_shard`:
-    `FSDPParamGroup.wait_for_unshard` runs `foreach_all_gather_copy_out` on the current
-    stream, and `foreach_reduce` runs `foreach_reduce_scatter_copy_in` there before handing
-    the reduce-scatter to its own stream). Each gather (forward, and backward's re-gather)
-    copies the gathered buffer into the parameters (read and write at the gather width);
-    each reduction copies the unsharded gradients (gather width) into the reduce-scatter
-    input (reduce width), once per step under unsharded accumulation. The all-gather's
-    copy-in runs on its own stream, hidden."""
-    out = acc.memory_time(2.0 * rt.param_gather_bytes * gathered)
-    rs_in = acc.memory_time((rt.param_gather_bytes + rt.grad_reduce_bytes) * gathered)
-    per_mb = 1.0 / s.microbatches if rt.fsdp_unsharded_accumulation else 1.0
-    return out, out + rs_in * per_mb
 
 
 def layer_phase(
@@ -258,8 +202,9 @@ def layer_phase(
     gemm_f, gemm_b, gemm_w = gemm_passes(acc, layer.gemms, fp8)
     if spec.flash_attention:
         d, q = layer.head_dim, layer.seq
-        attn_f = acc.attention_time(layer.attn_flops, seq=q, head_dim=d)
-        attn_b = acc.attention_time(2.5 * layer.attn_flops, backward=True, seq=q, head_dim=d)
+        heads = layer.attn_heads
+        attn_f = acc.attention_time(layer.attn_flops, seq=q, head_dim=d, heads=heads)
+        attn_b = acc.attention_time(2.5 * layer.attn_flops, True, q, d, heads)
     else:
         core = sum(acc.gemm_time(g.m, g.n, g.k, False, g.count) for g in layer.attn_gemms)
         attn_f = core + acc.memory_time(layer.core_bytes)
@@ -289,21 +234,11 @@ def layer_phase(
     tp_b = _exposed(grad_pass, gemm_b, rt.tp_overlap)
     tp_w = _exposed(regather, gemm_w, rt.tp_overlap)
     cp_f, cp_b = context_comm(layer, s, links, rt, attn_f, attn_b)
-    dp_f = dp_b = copy_f = copy_b = 0.0
-    if s.zero == 3 and s.dcp > 1:
-        groups = [(p, n, getattr(links, lk)) for p, n, lk in zero3_gather_groups(spec, s)]
-        width = rt.param_gather_bytes
-        if rt.fsdp2_copies:  # on the compute stream (`fsdp2_copy_time`)
-            copy_f, copy_b = fsdp2_copy_time(sum(p for p, _, _ in groups), s, acc, rt)
-        gather = sum(collective_time("all_gather", n, width * p, lk) for p, n, lk in groups)
-        dp_f = _exposed(gather, gemm_f + attn_f, rt.fsdp_overlap)
-        dp_b = _exposed(gather, gemm_b + attn_b, rt.fsdp_overlap)
-        if not rt.fsdp_unsharded_accumulation:  # gradients reduce-scattered every micro-batch
-            rs = sum(
-                collective_time("reduce_scatter", n, rt.grad_reduce_bytes * p, lk)
-                for p, n, lk in groups
-            )
-            dp_b += _exposed(rs, gemm_b, rt.fsdp_overlap)
+    gather, rs, copy_f, copy_b = zero3_layer_traffic(spec, s, acc, links, rt)  # `fsdp.py`
+    dp_f = _exposed(gather, gemm_f + attn_f, rt.fsdp_overlap)
+    dp_b = _exposed(gather, gemm_b + attn_b, rt.fsdp_overlap) + _exposed(
+        rs, gemm_b, rt.fsdp_overlap
+    )
     ep_f, ep_b = expert_parallel_comm(layer, spec, s, links, rt)
     ep_f = _exposed(ep_f, gemm_f, rt.ep_overlap)
     ep_b = _exposed(ep_b, gemm_b, rt.ep_overlap)

@@ -10,8 +10,13 @@ and the efficiencies that turn a peak into what software reaches. Built-in profi
   shapes (``gemm_table``) win where a GEMM matches one within 5% on every dimension (CPU
   profiles, which have no SM model, take the nearest). Without a model: ``gemm_eff`` times
   a saturating factor of the smallest dimension (the planner's earlier form).
-- Flash attention by sequence length and head dim (`kernels.AttentionModel`), or a
-  calibrated table by length, or the flat ``attn_fwd_eff``/``attn_bwd_eff``.
+- Flash attention by sequence length, head dim and the kernel's query rows
+  (`kernels.AttentionModel`), or a calibrated table by length, or the flat
+  ``attn_fwd_eff``/``attn_bwd_eff``.
+- Public per-shape kernel measurements win over the models where a shape matches one within
+  5% on every key (``linear_table``: a linear's three GEMMs; ``grouped_table``: grouped
+  GEMMs by group count; ``attn_shape_table``: attention by sequence, heads and head dim):
+  the b200 profile's come from `measured_b200`.
 - Memory-bound kernels at ``hbm_gbs x mem_eff`` (a STREAM-like copy), the activation-sized
   elementwise ones at ``elementwise_eff`` of that, dtype casts at ``cast_eff``.
 - Collectives on the link tier of their group (`network.py`, `collectives.py`).
@@ -34,6 +39,7 @@ from hyperloom.planner.errors import PlanError
 from hyperloom.planner.kernels import AttentionModel, GemmModel, gemm_forms
 
 GIB = 1024**3
+_SHAPE_TABLES = ("linear_table", "grouped_table", "attn_shape_table")
 _D_REF, _D_HALF = 2048.0, 128.0
 
 
@@ -99,6 +105,13 @@ class HardwareProfile:
     # model by length and head dim; None keeps the flat factors above.
     gemm_model: GemmModel | None = None
     attn_model: AttentionModel | None = None
+    # Public per-shape kernel measurements (`measured_b200.py`), each matched when every key is
+    # within 5% (`match_shape`), before the models above: a linear's three GEMMs by its forward
+    # (m, n, k) -> (fwd, dgrad, wgrad); grouped GEMMs by (groups, m, n, k) -> the same; flash
+    # attention by (seq, heads, qk head dim) -> (fwd, bwd), on executed FLOPs.
+    linear_table: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = field(default=())
+    grouped_table: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = field(default=())
+    attn_shape_table: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = field(default=())
     # The link tiers (`network.TIERS`) of the scale-up fabric and the NICs; "" = plain rings.
     intra_tier: str = ""
     inter_tier: str = ""
@@ -145,10 +158,19 @@ class HardwareProfile:
         g = (d / (d + _D_HALF)) / (_D_REF / (_D_REF + _D_HALF))
         return self.gemm_eff * min(1.0, g)
 
-    def gemm_time(self, m: float, n: float, k: float, fp8: bool = False, count: float = 1) -> float:
-        """Seconds for `count` GEMMs (m x k) @ (k x n): roofline of FLOPs and operand bytes."""
+    def gemm_time(
+        self,
+        m: float,
+        n: float,
+        k: float,
+        fp8: bool = False,
+        count: float = 1,
+        eff: float | None = None,
+    ) -> float:
+        """Seconds for `count` GEMMs (m x k) @ (k x n): roofline of FLOPs and operand bytes,
+        at efficiency `eff` (a measured one) or the shape's (`gemm_efficiency`)."""
         flops = 2.0 * m * n * k * count
-        rate = self.bf16_tflops * 1e12 * self.gemm_efficiency(m, n, k)
+        rate = self.bf16_tflops * 1e12 * (eff or self.gemm_efficiency(m, n, k))
         if fp8 and self.supports_fp8:
             rate *= self.fp8_speedup
         width = 1 if fp8 and self.supports_fp8 else 2
@@ -156,11 +178,21 @@ class HardwareProfile:
         return max(flops / rate, self.memory_time(moved))
 
     def gemm_times(
-        self, m: float, n: float, k: float, fp8: bool = False, count: float = 1
+        self, m: float, n: float, k: float, fp8: bool = False, count: float = 1, groups: float = 0
     ) -> tuple[float, float, float]:
         """(forward, data-gradient, weight-gradient) seconds of a linear whose forward is
         (m x k) @ (k x n): the backward forms are (m x n) @ (n x k) and (n x m) @ (m x k), each
-        at its own shape under the GEMM model; the same time thrice without one."""
+        at its own shape under the GEMM model; the same time thrice without one. A linear (or
+        a grouped GEMM of `groups` groups) in the measured tables takes its three measured
+        efficiencies."""
+        if groups:
+            measured = match_shape(self.grouped_table, (groups, m, n, k))
+        else:
+            measured = match_shape(self.linear_table, (m, n, k))
+        if measured is not None:
+            forms = zip(gemm_forms(m, n, k), measured, strict=True)
+            f, b, w = (self.gemm_time(*shape, fp8, count, e) for shape, e in forms)
+            return f, b, w
         if self.gemm_model is None:
             f = self.gemm_time(m, n, k, fp8, count)
             return f, f, f
@@ -180,15 +212,26 @@ class HardwareProfile:
         return self.memory_time(nbytes) / self.cast_eff
 
     def attention_time(
-        self, flops: float, backward: bool = False, seq: float = 0.0, head_dim: float = 0.0
+        self,
+        flops: float,
+        backward: bool = False,
+        seq: float = 0.0,
+        head_dim: float = 0.0,
+        heads: float = 0.0,
     ) -> float:
-        """Seconds of flash attention's `flops`: a calibrated table by `seq`, else the
-        attention model by `seq` and `head_dim`, else the flat factors."""
+        """Seconds of flash attention's `flops`: a measured shape (`attn_shape_table`, by
+        `seq`, `heads` -- query heads per sequence the kernel sees -- and `head_dim`), else
+        a calibrated table by `seq`, else the attention model by `seq`, `head_dim` and the
+        kernel's query rows (seq x heads), else the flat factors."""
         fwd, bwd = self.attn_fwd_eff, self.attn_bwd_eff
+        measured = match_shape(self.attn_shape_table, (seq, heads, head_dim)) if heads else None
+        if measured is not None:
+            return flops / (self.bf16_tflops * 1e12 * measured[1 if backward else 0])
         if self.attn_table and seq > 0:
             _, fwd, bwd = min(self.attn_table, key=lambda e: abs(math.log(e[0] / seq)))
         elif self.attn_model is not None and seq > 0:
-            eff = self.attn_model.efficiency(seq, head_dim or 128.0, backward)
+            rows = seq * heads
+            eff = self.attn_model.efficiency(seq, head_dim or 128.0, backward, rows)
             return flops / (self.bf16_tflops * 1e12 * eff)
         return flops / (self.bf16_tflops * 1e12 * (bwd if backward else fwd))
 
@@ -205,6 +248,8 @@ class HardwareProfile:
         d["gemm_model"] = self.gemm_model.to_dict() if self.gemm_model else None
         d["attn_model"] = self.attn_model.to_dict() if self.attn_model else None
         d["sources"] = dict(self.sources)
+        for name in _SHAPE_TABLES:
+            d[name] = [[list(k), list(v)] for k, v in getattr(self, name)]
         return d
 
     @classmethod
@@ -220,6 +265,9 @@ class HardwareProfile:
         gemm_model, attn_model = d.pop("gemm_model", None), d.pop("attn_model", None)
         sources = d.pop("sources", {}) or {}
         try:
+            for name in _SHAPE_TABLES:
+                rows = d.pop(name, []) or []
+                d[name] = tuple((tuple(map(float, k)), tuple(map(float, v))) for k, v in rows)
             rows = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["eff"])) for r in table)
             seqs = tuple((int(r["seq"]), float(r["fwd"]), float(r["bwd"])) for r in attn)
             kinds = tuple(sorted((str(k), float(v)) for k, v in dict(scale).items()))
@@ -236,6 +284,17 @@ class HardwareProfile:
             raise PlanError(f"bad accelerator profile: {exc}") from None
 
 
+def match_shape(
+    table: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...], key: tuple[float, ...]
+) -> tuple[float, ...] | None:
+    """The values of the first entry of `table` whose key is within 5% of `key` on every
+    dimension (a measured kernel of this shape), or None."""
+    for shape, values in table:
+        if all(abs(a - b) <= 0.05 * max(a, b) for a, b in zip(shape, key, strict=True)):
+            return values
+    return None
+
+
 def roofline(acc: HardwareProfile) -> HardwareProfile:
     """`acc` with every efficiency at 1: datasheet peaks for GEMMs and attention, full HBM
     bandwidth, datasheet links, no latency or host overhead. A plan on it is the bound no run
@@ -249,6 +308,9 @@ def roofline(acc: HardwareProfile) -> HardwareProfile:
         attn_bwd_eff=1.0,
         attn_table=(),
         attn_model=None,
+        linear_table=(),
+        grouped_table=(),
+        attn_shape_table=(),
         mem_eff=1.0,
         elementwise_eff=1.0,
         cast_eff=1.0,

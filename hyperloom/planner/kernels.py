@@ -25,7 +25,9 @@ published FP8 over BF16 MAMF ratio).
 
 Attention (`AttentionModel`): flash kernels approach their peak only for long rows, so the
 efficiency saturates in the sequence length, ``eff_max * s / (s + seq_half)``, lower for head
-dims under 128 (FlashAttention-2, arXiv 2307.08691; FlashAttention-3, arXiv 2407.08608).
+dims under 128 (FlashAttention-2, arXiv 2307.08691; FlashAttention-3, arXiv 2407.08608), and
+optionally in the kernel's query rows (few heads per rank leave SMs idle);
+`fit_attention_model` fits it to measured shapes as `fit_gemm_model` does the GEMM model.
 """
 
 from __future__ import annotations
@@ -170,20 +172,31 @@ def fit_gemm_model(
 
 @dataclass(frozen=True)
 class AttentionModel:
-    """Flash attention's fraction of the BF16 peak by sequence length and head dim:
-    ``eff_max * s / (s + seq_half) * min(1, d / 128) ** head_exp`` each way."""
+    """Flash attention's fraction of the BF16 peak by sequence length, head dim and the
+    kernel's query rows r (seq x heads x batch on one rank):
+    ``eff_max * s / (s + seq_half) * min(1, d / 128) ** head_exp * r / (r + rows_half)``
+    each way. The last factor is the kernel's parallelism: it runs one thread block per
+    (128-row query tile, head), so a rank with few heads (tp 8 of 64) leaves SMs idle and the
+    causal triangle's short tiles unbalanced (TE's B200 kernels at 4K tokens: 8 heads reach a
+    third of 64 heads' forward rate; `measured_b200.ATTENTION`). 0 = no such loss."""
 
     fwd_max: float
     bwd_max: float
     seq_half: float = 512.0
     head_exp: float = 0.2
     source: str = ""
+    fwd_rows_half: float = 0.0
+    bwd_rows_half: float = 0.0
 
-    def efficiency(self, seq: float, head_dim: float = 128.0, backward: bool = False) -> float:
+    def efficiency(
+        self, seq: float, head_dim: float = 128.0, backward: bool = False, rows: float = 0.0
+    ) -> float:
         peak = self.bwd_max if backward else self.fwd_max
         s = max(seq, 1.0)
         d = min(1.0, max(head_dim, 1.0) / 128.0) ** self.head_exp if head_dim else 1.0
-        return peak * s / (s + self.seq_half) * d
+        half = self.bwd_rows_half if backward else self.fwd_rows_half
+        par = rows / (rows + half) if rows > 0 and half > 0 else 1.0
+        return peak * s / (s + self.seq_half) * d * par
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -192,6 +205,8 @@ class AttentionModel:
             "seq_half": self.seq_half,
             "head_exp": self.head_exp,
             "source": self.source,
+            "fwd_rows_half": self.fwd_rows_half,
+            "bwd_rows_half": self.bwd_rows_half,
         }
 
     @classmethod
@@ -203,6 +218,40 @@ class AttentionModel:
                 float(d.get("seq_half", 512.0)),
                 float(d.get("head_exp", 0.2)),
                 str(d.get("source", "")),
+                float(d.get("fwd_rows_half", 0.0)),
+                float(d.get("bwd_rows_half", 0.0)),
             )
         except (TypeError, KeyError, ValueError) as exc:
             raise PlanError(f"bad attn_model in profile: {exc!r}") from None
+
+
+def fit_attention_model(
+    samples: list[tuple[tuple[float, float, float], tuple[float, float]]], source: str = ""
+) -> AttentionModel:
+    """An `AttentionModel` fitted to measured ((seq, heads, head_dim), (fwd, bwd)) pairs:
+    least squares on log efficiency, ``seq_half`` and each direction's ``rows_half`` on log
+    grids with the maxima in closed form (geometric means of measured over modelled)."""
+    if not samples:
+        raise PlanError("fitting an attention model needs at least one measured shape")
+    grid = [0.0] + [2 ** (i / 2) for i in range(8, 44)]
+
+    def fit(i: int, seq_half: float) -> tuple[float, float, float]:
+        best = (math.inf, 0.0, 0.0)
+        for half in grid:
+            trial = AttentionModel(1.0, 1.0, seq_half, fwd_rows_half=half, bwd_rows_half=half)
+            logs = [
+                math.log(e[i] / trial.efficiency(s, d, i == 1, s * h)) for (s, h, d), e in samples
+            ]
+            level = sum(logs) / len(logs)
+            loss = sum((v - level) ** 2 for v in logs)
+            if loss < best[0] - 1e-12:
+                best = (loss, math.exp(level), half)
+        return best
+
+    best: tuple[float, AttentionModel] | None = None
+    for seq_half in grid[:25]:
+        (lf, fmax, fhalf), (lb, bmax, bhalf) = fit(0, seq_half), fit(1, seq_half)
+        model = AttentionModel(fmax, bmax, seq_half, 0.2, source, fhalf, bhalf)
+        if best is None or lf + lb < best[0] - 1e-12:
+            best = (lf + lb, model)
+    return best[1]

@@ -505,6 +505,7 @@ class Gemm:
     n: float
     k: float
     count: float = 1.0
+    groups: float = 0.0  # a grouped GEMM's group count (the routed experts' local experts)
 
     @property
     def flops(self) -> float:
@@ -550,6 +551,9 @@ class Layer:
     expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     head_dim: float = 0.0  # the attention's query/key head dim (its kernel's efficiency)
+    # query heads per sequence of `seq` rows that this rank's attention kernel runs
+    # (mbs x heads / tp / cp): its parallelism (`kernels.AttentionModel`); 0 = not modelled
+    attn_heads: float = 0.0
     dispatch_bytes: float = 0.0  # one MoE layer's per-rank EP dispatch send buffer (ep > 1)
     # elements of the rows through this rank's routed experts, rows x dim (one MoE layer,
     # `moe_imbalance` included at ep > 1): what expert tensor parallelism without sp
@@ -686,6 +690,7 @@ def build_layer(
         grad_out_bytes=grad_out,
         seq=seq,
         head_dim=spec.head_dim,
+        attn_heads=mbs * heads / cp,
         cast_elements=(qkv_copies + fc1_copies) * x_full if per_op_casts else 0.0,
         cast_sum_elements=(qkv_copies + fc1_copies - 2) * x_full if per_op_casts else 0.0,
     )
@@ -859,8 +864,8 @@ def _build_deepseek_layer(
                 Gemm("shared_fc2", tokens, h, S * fe / t, wm),
             ]
         gemms += [
-            Gemm("experts_fc1", rows, 2 * fe / e, h, wm * local),
-            Gemm("experts_fc2", rows, h, fe / e, wm * local),
+            Gemm("experts_fc1", rows, 2 * fe / e, h, wm * local, local),
+            Gemm("experts_fc2", rows, h, fe / e, wm * local, local),
         ]
     heads = a / t
     full_core = 2.0 * tokens * seq * (q_dim + v_dim) / t
@@ -934,6 +939,7 @@ def _build_deepseek_layer(
         grad_out_bytes=grad_out,
         seq=seq,
         head_dim=qk,
+        attn_heads=mbs * heads / cp,
         moe_fraction=wm,
         expert_act_bytes=expert_act,
         dispatch_bytes=dispatch,

@@ -22,7 +22,8 @@ the device reports, in GiB; links are per GPU and per direction. The efficiencie
   sustained power, SMs shared with overlapped collectives, gaps between kernels): 0.816 on
   H100, the factor that fits Megatron-LM's published H100 weak-scaling table (its README,
   the planner's validation 1; `published.fit_efficiency` on the five fit rows), assumed for
-  H200, B200, MI300X and MTT S4000; 1 on A100, whose published Megatron runs (Korthikanti et
+  H200, MI300X and MTT S4000; 1 on B200, whose kernels are measured at the job's shapes
+  (`measured_b200`), and on A100, whose published Megatron runs (Korthikanti et
   al. 2022, validation 2) the kernel model reproduces without one.
 - Links (`network.py`): all-reduce bus bandwidth from nccl-tests reports (8 A100 SXM
   232.5 GB/s of 300, NVIDIA/nccl-tests#175; NCCL's ~24 GB/s per 200 Gb/s NIC,
@@ -34,6 +35,7 @@ with measurements (docs/planner.md, "Profiles").
 
 from __future__ import annotations
 
+from hyperloom.planner import measured_b200 as MB200
 from hyperloom.planner.hardware import HardwareProfile
 from hyperloom.planner.kernels import AttentionModel, GemmModel, derive_peak_eff
 
@@ -184,10 +186,18 @@ def _hopper(name: str, hbm_gib: float, hbm_gbs: float, mamf: float) -> HardwareP
 
 
 # B200 (DGX B200): 148 SMs, 2.25 PF BF16 / 4.5 PF FP8 dense, 180 GB HBM3e at 8 TB/s, NVLink5
-# 1.8 TB/s both ways, 8x ConnectX-7 400 Gb/s. Its MAMF shape is not published: peak_eff takes
-# it as wave-perfect with K = 2048 (18944 = 148 x 128 rows).
-_B200_GEMM = _gemm(148, 1745.0 / 2250, (18944, 16384, 2048), f"{MAMF}: B200 1745 TF")
-_B200_ATTN = _attn(0.50, 0.36, 512.0, f"{STEP_8K}: FlashAttention-4 (beta) 37% fwd+bwd")
+# 1.8 TB/s both ways, 8x ConnectX-7 400 Gb/s. Kernels: the public per-shape measurements of
+# `measured_b200` (TE 2.11 on one B200) as tables, and the GEMM and attention models fitted to
+# them (`kernels.fit_gemm_model`, `fit_attention_model`; the constants are their result,
+# checked by tests/unit/test_planner_kernels_b200.py) for the shapes they lack. Measured at
+# the shapes a job runs, as `plan calibrate` does, so no step efficiency on top (1, as for
+# calibrated profiles); the MAMF figure (1745 TF at a shape NVIDIA does not publish) stays as
+# ``gemm_eff`` and the FP8 ratio.
+_B200_GEMM = GemmModel(148, 0.52677, 304.437, source=f"fitted to {MB200.SOURCE}")
+_B200_ATTN = AttentionModel(
+    0.52768, 0.38938, 0.0, source=f"fitted to {MB200.SOURCE}", fwd_rows_half=65536.0,
+    bwd_rows_half=11585.24,
+)  # fmt: skip
 B200 = HardwareProfile(
     "b200",
     2250.0,
@@ -200,28 +210,35 @@ B200 = HardwareProfile(
     attn_bwd_eff=0.36 * 4096 / 4608,
     mem_eff=0.84,
     intra_gbs=900.0,
-    intra_eff=232.5 / 300,
+    intra_eff=MB200.ALLREDUCE_BUS_EFF,
     inter_eff=0.96,
     elementwise_eff=ELEM_EFF,
     gemm_model=_B200_GEMM,
     attn_model=_B200_ATTN,
+    linear_table=MB200.linear_table(),
+    grouped_table=MB200.grouped_table(),
+    attn_shape_table=MB200.attention_samples(),
     intra_tier="nvlink",
     inter_tier="ib",
-    step_eff=STEP_EFF_H100,
+    step_eff=1.0,
     source="NVIDIA DGX B200 datasheet; efficiencies: see `sources`",
     sources=(
         ("bf16_tflops", "NVIDIA DGX B200 datasheet: 2.25 PF BF16, 4.5 PF FP8 dense per GPU"),
         ("hbm_gbs", "NVIDIA DGX B200 datasheet: 8 TB/s HBM3e"),
-        ("gemm_model", _B200_GEMM.source + "; shape not published, wave-perfect assumed"),
+        ("gemm_eff", f"{MAMF}: B200 1745 TF"),
+        ("gemm_model", _B200_GEMM.source),
+        ("linear_table", MB200.SOURCE + ": 144 linears' three GEMMs"),
+        ("grouped_table", MB200.SOURCE + ": TE grouped GEMMs of routed experts"),
+        ("attn_shape_table", MB200.SOURCE + ": TE flash attention, halved to causal FLOPs"),
         ("fp8_speedup", f"{MAMF}: B200 FP8 3432.5 over BF16 1745 TF"),
         ("attn_model", _B200_ATTN.source),
         ("mem_eff", MEM + "; assumed alike"),
         ("elementwise_eff", ELEM),
         ("intra_gbs", "NVLink5: 1.8 TB/s both ways, 900 a direction"),
-        ("intra_eff", NVLINK_EFF + "; the same share assumed"),
+        ("intra_eff", MB200.SOURCE + ": its NCCL all-reduce fit, 0.7424 bus efficiency"),
         ("nic_gbs", "DGX B200: ConnectX-7 400 Gb/s per GPU"),
         ("inter_eff", NIC_EFF),
-        ("step_eff", "H100's assumed: " + STEP),
+        ("step_eff", "1: kernels measured at the job's shapes (as calibrated profiles)"),
     ),
 )
 

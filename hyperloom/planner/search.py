@@ -185,7 +185,9 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, space: SearchSpace
                         continue
                     if zero != 0 and dp == 1:
                         continue  # sharding over one rank is zero 0
-                    pairs = ep > 1 and disp == "alltoall" and kind in PAIRING_SCHEDULES
+                    # pairing schedules' F&B pairs, or gradient accumulation's at pp = 1
+                    accum = pp == 1 and m > 1 and zero != 3
+                    pairs = ep > 1 and disp == "alltoall" and (kind in PAIRING_SCHEDULES or accum)
                     for overlap in space.ep_overlap if pairs else (False,):
                         yield Strategy(
                             tp=tp,

@@ -48,10 +48,10 @@ from hyperloom.planner.costs import (
     links_for,
     local_params,
     optimizer_time,
-    root_gather,
     shared_grad_groups,
 )
 from hyperloom.planner.errors import PlanError
+from hyperloom.planner.fsdp import root_gather_time
 from hyperloom.planner.hardware import GIB, Cluster, HardwareProfile, roofline
 from hyperloom.planner.memory import LayerMemory, Memory, cp_buffer, dispatch_buffer, rank_memory
 from hyperloom.planner.model import ModelSpec, build_layer
@@ -213,8 +213,9 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     emb = embedding_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
     head = head_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
     if wgrad:  # FSDP2's root module: gathered at each forward (frozen: kept whole)
-        emb = emb + root_gather(spec, key, rt, links, last=False)
-        head = head + root_gather(spec, key, rt, links, last=True)
+        first, last = (root_gather_time(spec, key, rt, links, end) for end in (False, True))
+        emb = emb + Phase(f=first, dp_comm=first)  # exposed: nothing runs before it
+        head = head + Phase(f=last, dp_comm=last)
     if spec.vision:
         emb = emb + tower_phase(spec, key, seq, acc, links, rt)
     if spec.mtp_depth:  # each MTP module: one (mean) block and its own head, last chunk
@@ -396,6 +397,8 @@ def memory_per_rank(
     """Memory of each rank (or of `ranks` only: the search checks 0, 1 and the last);
     `host` from the accelerator profile (`HardwareProfile.host_memory`)."""
     _, in_flight, w_pending = prep.structure()
+    if s.pp == 1 and s.ep_overlap and s.microbatches > 1:  # a pair holds two micro-batches
+        in_flight = (max(2, in_flight[0]),)
     return [
         rank_memory(
             spec,
@@ -422,6 +425,16 @@ def chunk_passes(s: Strategy) -> float:
     under DualPipe, where half enter from each end, so each of a rank's two chunks (its own
     and the copy) sees m/2."""
     return s.microbatches / 2 if s.schedule == "dualpipe" else s.microbatches
+
+
+def accumulation_pairs_hidden(s: Strategy, prep: Prepared) -> float:
+    """Seconds `parallel.ep_overlap` hides at pp = 1 (`parallel.overlap_accum`): gradient
+    accumulation runs F0, then m - 1 pairs (F_i, B_{i-1}), then B_{m-1}, and each pair hides
+    ``1 - fb_overlap`` of one micro-batch's work (`fb_overlap`: ``Runtime.ep_pair_hidden`` of
+    the all-to-alls of the two halves). 0 elsewhere (the pipeline's pairs are in its IR)."""
+    if s.pp > 1 or not s.ep_overlap or prep.fb_overlap == 1.0:
+        return 0.0
+    return (s.microbatches - 1) * (1.0 - prep.fb_overlap) * prep.rank_phase(0).total
 
 
 def lower_bound(s: Strategy, prep: Prepared, cluster: Cluster, rt: Runtime) -> float:
@@ -481,7 +494,7 @@ def predict(
     results = []
     try:
         for m in m_runs:
-            paired = s.ep_overlap and prep.fb_overlap != 1.0
+            paired = s.ep_overlap and prep.fb_overlap != 1.0 and s.pp > 1
             sched = _schedule(s.schedule, s.pp, m, s.vpp, not fast, paired)
             per_stage = {
                 st: StageCost(float(prep.f[c]), float(prep.b[c]), float(prep.w[c]))
@@ -504,6 +517,9 @@ def predict(
             ends.append(e1 + (m - m1) * (e2 - e1) / (m2 - m1))
         else:
             ends.append(last_end(results[0], rank))
+
+    accum_hidden = accumulation_pairs_hidden(s, prep)
+    ends[0] -= accum_hidden
 
     # the all-reduces of shared gradients over pipeline subgroups wait for every member
     shared_end, shared = list(ends), [0.0] * s.pp
@@ -533,7 +549,7 @@ def predict(
         opt = optimizer_time(p_rank, s, acc, rt, e_rank)
         finish.append(shared_end[rank] + dp_exposed + opt)
         busy = m * per_mb.total
-        hidden = busy * paired[rank] * (1.0 - prep.fb_overlap)
+        hidden = busy * paired[rank] * (1.0 - prep.fb_overlap) + accum_hidden
         busy_all += busy - hidden
         parts.append(
             {

@@ -107,7 +107,7 @@ class Runtime:
     zero1_publish_bytes: float = 12.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
     # zero 3 is PyTorch FSDP2: its gathers' copy-out and reductions' copy-in run on the
-    # compute stream (`costs.fsdp2_copy_time`); Megatron's FSDP gathers into its buffers
+    # compute stream (`fsdp.fsdp2_copy_time`); Megatron's FSDP gathers into its buffers
     fsdp2_copies: bool = True
     # zero 1 all-gathers the updated params in this width, zero 3 (FSDP2) each block's
     # params before use (`Runtime.from_job`: 2 under `parallel.fsdp_param_dtype = bf16`)
@@ -430,14 +430,8 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
         return f"dualpipe needs even pp ({p}) and even microbatches ({m}) >= 2*pp"
     if s.schedule == "dualpipev" and m < 2 * p:
         return f"dualpipev needs microbatches ({m}) >= 2*pp = {2 * p}"
-    if s.ep_overlap and (
-        s.ep == 1 or s.dispatcher != "alltoall" or s.pp == 1 or s.schedule not in PAIRING_SCHEDULES
-    ):
-        return (
-            f"ep_overlap needs ep > 1 with the alltoall dispatcher and pp > 1 with one of "
-            f"{', '.join(PAIRING_SCHEDULES)} (got ep {s.ep}, {s.dispatcher}, pp {s.pp}, "
-            f"{s.schedule})"
-        )
+    if s.ep_overlap and (why := _overlap_problem(s)):
+        return why
     if s.ep > 1:
         if not spec.n_routed_experts:
             return f"ep = {s.ep}: the dense family has no experts"
@@ -458,6 +452,26 @@ def check(s: Strategy, spec: ModelSpec, seq: int, gpus: int | None = None) -> st
         parse_recompute(s.recompute)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _overlap_problem(s: Strategy) -> str | None:
+    """What `ep_overlap` needs: all-to-alls, and pairs to run them in -- a pairing schedule at
+    pp > 1, or at pp = 1 gradient accumulation's (F_i, B_{i-1}) pairs
+    (`parallel.overlap_accum`: two micro-batches or more, not under FSDP2)."""
+    if s.ep == 1 or s.dispatcher != "alltoall":
+        return (
+            f"ep_overlap needs ep > 1 with the alltoall dispatcher (got ep {s.ep}, {s.dispatcher})"
+        )
+    if s.pp == 1 and (s.microbatches < 2 or s.zero == 3):
+        return (
+            f"ep_overlap at pp = 1 pairs micro-batch i's forward with i-1's backward: it needs "
+            f"2 or more micro-batches and zero != 3 (got {s.microbatches}, zero {s.zero})"
+        )
+    if s.pp > 1 and s.schedule not in PAIRING_SCHEDULES:
+        return (
+            f"ep_overlap at pp > 1 needs one of {', '.join(PAIRING_SCHEDULES)} (got {s.schedule})"
+        )
     return None
 
 

@@ -295,9 +295,9 @@ def _ep1_cases():
 # layers, the dense ones first (`ModelSpec.chunk_layer_params`; ds-z1's first stage -85%, the
 # others +5%); megatron keeps TE's dummy weight gradients (`Runtime.te_dummy_wgrad`); FSDP2's
 # buffers at the gather width plus the root's gather (`memory.fsdp_buffers`,
-# `costs.root_gather`); ring steps hide 0.85 of an exchange (`strategy.RING_OVERLAP`);
+# `fsdp.root_gather_time`); ring steps hide 0.85 of an exchange (`strategy.RING_OVERLAP`);
 # lite-z3 also pays FSDP2's copy-out / reduce-scatter copy-in on the compute stream
-# (`costs.fsdp2_copy_time`) and no longer reads and zeroes whole gradients it holds sharded.
+# (`fsdp.fsdp2_copy_time`) and no longer reads and zeroes whole gradients it holds sharded.
 EP1_BEFORE = {
     "ds-z1": (
         63.965279943630556,
@@ -450,8 +450,50 @@ def test_lower_bound_holds_under_overlapped_pairs():
                 assert plan.step_time < off.step_time, schedule
     # 1F1B has no pairs that would not delay a neighbour: the overlap is refused
     s = Strategy(pp=4, dp=8, ep=8, microbatches=16, schedule="1f1b", ep_overlap=True)
-    with pytest.raises(PlanError, match="ep_overlap needs"):
+    with pytest.raises(PlanError, match="ep_overlap at pp > 1 needs"):
         predict(spec, cl, s, 2048, rt)
+
+
+def test_ep_overlap_at_pp1_pairs_gradient_accumulation():
+    """`parallel.ep_overlap` at pp = 1 (`parallel.overlap_accum`): F0, m-1 pairs (F_i, B_{i-1}),
+    B_{m-1}. Each pair hides ``1 - fb_overlap`` of one micro-batch's work and holds two
+    micro-batches' activations; the job's layout is accepted (it was refused: "needs pp > 1")."""
+    from hyperloom.config import load_config
+    from hyperloom.planner.simulate import accumulation_pairs_hidden
+
+    spec = spec_of("deepseek-v2-lite")
+    cl = Cluster.of(H100, 8)
+    rt = dataclasses.replace(RUNTIMES["megatron"], ep_pair_hidden=1.0)
+    base = Strategy(tp=1, pp=1, dp=8, ep=8, zero=1, mbs=1, microbatches=4)
+    off = predict(spec, cl, base, 2048, rt)
+    s = dataclasses.replace(base, ep_overlap=True)
+    prep = prepare(spec, cl, s, 2048, rt)
+    on = predict(spec, cl, s, 2048, rt, prep=prep)
+    one = prep.rank_phase(0)
+    hidden = 3 * one.ep_comm  # ep_pair_hidden 1: each pair hides one micro-batch's all-to-alls
+    assert accumulation_pairs_hidden(s, prep) == pytest.approx(hidden, rel=1e-9)
+    assert off.step_time - on.step_time == pytest.approx(hidden, rel=1e-6)
+    assert on.breakdown["ep_hidden_by_fb_pairs"] == pytest.approx(-hidden, rel=1e-9)
+    parts = {k: v for k, v in on.breakdown.items() if k != "dp_sync_total"}
+    assert sum(parts.values()) == pytest.approx(on.step_time, rel=1e-6)
+    assert lower_bound(s, prep, cl, rt) <= on.step_time
+    # two micro-batches' activations alive during each pair
+    unit = on.memory[0].activations / 2
+    assert on.memory[0].activations == pytest.approx(2 * off.memory[0].activations, rel=1e-9)
+    assert unit > 0
+    for bad, why in ((dict(microbatches=1), "2 or more"), (dict(zero=3), "zero != 3")):
+        with pytest.raises(PlanError, match=why):
+            predict(spec, cl, dataclasses.replace(s, **bad), 2048, rt)
+    # the job's own layout: Strategy.from_job keeps it and `check` accepts it
+    overrides = ["--model.preset", "deepseek-v2-lite", "--parallel.dp", "2", "--parallel.ep"]
+    overrides += ["2", "--parallel.ep_overlap", "true", "--train.grad_accum", "2"]
+    job = load_config(None, overrides, world_size=2)
+    js = Strategy.from_job(job)
+    assert js.ep_overlap and js.pp == 1 and check(js, spec, 2048, 2) is None
+    # the search tries both at pp = 1
+    space = SearchSpace(tp=(1,), pp=(1,), cp=(1,), ep=(8,), zero=(1,), mbs=(1,))
+    got = {c.ep_overlap for c in candidates(spec, 8, 32, space, True) if c.ep == 8}
+    assert got == {False, True}
 
 
 # --- DeepSeek-V3 and the CLI ----------------------------------------------------------------

@@ -95,11 +95,13 @@ def test_attention_by_length_and_head_dim():
     assert a.efficiency(8192, backward=True) == pytest.approx(0.5 * 8192 / 8704)
     assert a.efficiency(8192, head_dim=64) < a.efficiency(8192, head_dim=128)
     assert a.efficiency(8192, head_dim=192) == a.efficiency(8192, head_dim=128)
-    # the profiles' in-step anchors: forward + backward (1 + 2.5 the FLOPs) at 8K tokens
-    for acc, published in ((H100, 0.45), (B200, 0.37)):
+    # the in-step anchors: forward + backward (1 + 2.5 the FLOPs) at 8K tokens. H100's model
+    # is set from it; B200's is fitted to SimuMax's kernel measurements (`measured_b200`) and
+    # meets the study's FlashAttention-4 figure for Llama-3.1-8B (32 heads) independently.
+    for acc, published, rows, tol in ((H100, 0.45, 0.0, 0.01), (B200, 0.37, 8192 * 32, 0.02)):
         m = acc.attn_model
-        combined = 3.5 / (1 / m.efficiency(8192) + 2.5 / m.efficiency(8192, backward=True))
-        assert combined == pytest.approx(published, abs=0.01)
+        f, b = (m.efficiency(8192, 128, bwd, rows) for bwd in (False, True))
+        assert 3.5 / (1 / f + 2.5 / b) == pytest.approx(published, abs=tol)
 
 
 # --- link tiers ------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def test_every_profile_says_where_its_numbers_come_from():
         assert acc.intra_tier in TIERS and acc.inter_tier in TIERS, name
         assert acc.source_of("gemm_model") != acc.source
     assert "nccl-tests#175" in PROFILES["a100"].source_of("intra_eff")
-    assert "1745" in B200.source_of("gemm_model")
+    assert "SimuMax" in B200.source_of("gemm_model") and "1745" in B200.source_of("gemm_eff")
 
 
 def test_profiles_with_models_roundtrip_through_json(tmp_path):

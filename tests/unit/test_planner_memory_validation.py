@@ -21,8 +21,8 @@ from hyperloom.planner.costs import (
     layer_phase,
     links_for,
     optimizer_time,
-    root_gather,
 )
+from hyperloom.planner.fsdp import root_gather_time
 from hyperloom.planner.hardware import GIB
 from hyperloom.planner.memory import states
 from hyperloom.planner.model import build_layer
@@ -118,10 +118,10 @@ def test_fsdp_buffers_take_the_gather_width_and_the_root():
 def test_fsdp_root_gather_is_costed_once_per_forward():
     spec, s, rt, plan = _fsdp(2)
     links = links_for(Cluster.of("h100", 8), s)
-    emb, head = root_gather(spec, s, rt, links, False), root_gather(spec, s, rt, links, True)
-    assert emb.f > 0 and head.f > 0 and emb.dp_comm == emb.f
-    assert root_gather(spec, dataclasses.replace(s, zero=1), rt, links, False).f == 0
-    assert plan.breakdown["zero3_gather"] >= emb.f + head.f
+    emb, head = (root_gather_time(spec, s, rt, links, last) for last in (False, True))
+    assert emb > 0 and head > 0
+    assert root_gather_time(spec, dataclasses.replace(s, zero=1), rt, links, False) == 0
+    assert plan.breakdown["zero3_gather"] >= emb + head
 
 
 def test_hsdp_is_planned_not_refused():

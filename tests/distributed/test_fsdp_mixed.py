@@ -50,7 +50,6 @@ from test_parallel_layouts import GLOBAL_BATCH, MODEL, assert_same_training, rea
 
 from hyperloom import checkpoint as ckpt
 from hyperloom.config import ConfigError, load_config
-from hyperloom.planner.errors import PlanError
 from hyperloom.planner.strategy import Strategy
 
 BENCHMARK = "fsdp_bytes"
@@ -303,7 +302,10 @@ def test_config_refuses(overrides, message):
     assert re.search(re.escape(message), _problems(**overrides))
 
 
-def test_planner_refuses_hsdp():
+def test_planner_reads_the_hsdp_layout():
+    """The planner plans this file's HSDP job (it refused HSDP once): two replica groups of
+    two ranks each (`tests/unit/test_planner_memory_validation.py` checks its costs)."""
     job = load_config(None, override_args(**MODEL, **HSDP), world_size=4)
-    with pytest.raises(PlanError, match=re.escape("parallel.dp_replicate = 2: the planner")):
-        Strategy.from_job(job)
+    s = Strategy.from_job(job)
+    assert (s.zero, s.dp_replicate, s.fsdp_shard) == (3, 2, 2)
+    assert "hsdp2" in s.label()

@@ -22,7 +22,8 @@ limited to M nodes sends M (k-1)/k network copies instead of top_k (k-1)/k; a pl
 variable-split all-to-all (hyperloom, Megatron) sends every copy.
 
 Link tiers (`network.py`): a profile's ``intra_tier``/``inter_tier`` give each collective its
-own bandwidth (``Tier.relative`` over the all-reduce's bus bandwidth) and per-step latency,
+own bandwidth (``Tier.relative`` over the all-reduce's bus bandwidth), per-step latency and,
+where measured, a latency once per call (``Tier.fixed_us``: B200's NVLink5 fit),
 shrink a PCIe group's bandwidth as it grows (the ranks share the root complex), and slow a
 collective across k nodes by ``1 + straggle log2 k``.
 """
@@ -60,6 +61,8 @@ class Link:
     # (kind, seconds) per ring step where a collective's latency differs from `latency`
     alphas: tuple[tuple[str, float], ...] = ()
     slow: float = 1.0  # the straggler factor of a group across nodes (`network.Tier`)
+    # (kind, seconds) once per call on top of `fixed` (a tier's measured `fixed_us`)
+    fixed_kind: tuple[tuple[str, float], ...] = ()
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -68,13 +71,14 @@ def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
         return 0.0
     alpha = next((a for k, a in link.alphas if k == kind), link.latency)
     factor = next((f for k, f in link.scale if k == kind), 1.0)
+    fixed = link.fixed + next((f for k, f in link.fixed_kind if k == kind), 0.0)
     if kind == "p2p":
-        return (alpha + nbytes * factor / link.bandwidth) * link.slow + link.fixed
+        return (alpha + nbytes * factor / link.bandwidth) * link.slow + fixed
     if kind not in _SCALE:
         raise PlanError(f"unknown collective {kind!r}; known: p2p, {', '.join(_SCALE)}")
     scale, offset = _SCALE[kind]
     beta = nbytes * scale * (1 + offset / n) / link.bandwidth * factor
-    return (beta + alpha * scale * (n + offset)) * link.slow + link.fixed
+    return (beta + alpha * scale * (n + offset)) * link.slow + fixed
 
 
 def _tier_link(
@@ -89,7 +93,8 @@ def _tier_link(
     latency = (acc.inter_latency_us if inter else acc.intra_latency_us) * 1e-6
     bw = bandwidth * tier.group_factor(n)
     slow = tier.straggler(nodes) if inter else 1.0
-    return Link(bw, latency, fixed, level, scale, alphas, slow)
+    once = tuple((k, us * 1e-6) for k, us in tier.fixed_us)
+    return Link(bw, latency, fixed, level, scale, alphas, slow, once)
 
 
 @functools.lru_cache(maxsize=256)
@@ -203,7 +208,8 @@ def all_to_all_cost(
     alpha = next((a for kind, a in link.alphas if kind == "all_to_all"), link.latency)
     if link.level != "inter":
         beta = (n - 1) / n / link.bandwidth * factor
-        return AllToAll(n, (n - 1) * alpha + link.fixed, beta, link.level)
+        once = link.fixed + next((f for k, f in link.fixed_kind if k == "all_to_all"), 0.0)
+        return AllToAll(n, (n - 1) * alpha + once, beta, link.level)
     acc, g = cluster.profile, cluster.gpus_per_node
     k = max(2, (n * stride) // g)  # nodes the group spans
     r = max(1, n // k)  # members per node

@@ -385,9 +385,10 @@ def embedding_phase(
     rt: Runtime | None = None,
     wgrad: bool = True,
 ):
-    """First chunk: vocab-parallel lookup, then the all-reduce (or reduce-scatter) over tp.
-    The lookup returns the table's dtype: FP32 under autocast per op (no autocast for it).
-    `wgrad=False`: a frozen table, no gradient scatter."""
+    """First chunk: vocab-parallel lookup (the table's dtype: FP32 under autocast per op),
+    then the all-reduce (or reduce-scatter) over tp; `wgrad=False`: a frozen table. With FP32
+    main gradients (Megatron) each micro-batch forms the dense BF16 table gradient (zeroed, 2 B
+    per vocab / tp x dim element) that the DDP hook adds to main_grad (10 B)."""
     tokens = s.mbs * seq / s.cp
     width = rt.param_bytes if rt is not None and rt.autocast_per_op else 2.0
     out = width * tokens * spec.dim
@@ -395,6 +396,8 @@ def embedding_phase(
     comm = collective_time(kind, s.tp, out, links.tp)
     look = acc.elementwise_time(2 * out)
     w = acc.elementwise_time(3 * out) if wgrad else 0.0
+    if wgrad and rt is not None and rt.fp32_main_grads:
+        w += acc.memory_time(12.0 * spec.vocab_size / s.tp * spec.dim)
     return Phase(f=look + comm, w=w, compute=look + w, tp_comm=comm)
 
 

@@ -95,6 +95,9 @@ class HardwareProfile:
     # accounts for: Python, the dispatcher, autograd, kernel launches. `calibrate` measures
     # it (`measure_layer_overhead`); 0 for the datasheet profiles (large layers hide it).
     layer_overhead_s: float = 0.0
+    # Fixed seconds (us) per call of a layer's memory-bound modules (norms, activations, MoE
+    # routing) on top of their bytes (`launches.py`); 0 unless a public figure is taken
+    kernel_latency_us: float = 0.0
     # Seconds a blocking collective (or pipeline receive) of CPU ranks spends beyond its wire
     # time when the ranks compute between calls, as a training step does: the ranks share the
     # cores, so one arrives first and waits for the other to be scheduled and catch up.
@@ -322,6 +325,7 @@ def roofline(acc: HardwareProfile) -> HardwareProfile:
         inter_tier="",
         collective_scale=(),
         layer_overhead_s=0.0,
+        kernel_latency_us=0.0,
         collective_wait_us=0.0,
         step_eff=1.0,
     )

@@ -24,8 +24,18 @@ The tables below restate that file's numbers (three decimals), rearranged:
 
 Not taken: the file's memory bandwidth factor (0.666 for every memory-bound kernel is a
 default of its ``combine_efficiency.py``, not a measurement) and its FP8 entries (none
-measured). The all-reduce's bus efficiency of its NCCL fit (0.7424 of NVLink5's 900 GB/s)
-is the profile's ``intra_eff``.
+measured).
+
+`NCCL_FIT`: the same file's fit of nccl-tests on one 8-GPU B200 node (its
+``simu_tools/efficency_test/nccl_fit.py``), per collective: bus efficiency over NVLink5's 900,
+per-step latency and once-per-call latency, in the form ``fixed + steps x latency + bytes x
+scale (n-1)/n / (eff x 900 GiB/s)`` (SimuMax's ``compute_net_op_time``). Its bandwidth is in
+GiB/s (it divides bytes by ``gbps * 1024**3``), so the all-reduce's bus bandwidth is 0.7424 x
+900 GiB/s = 717 GB/s: the profile's ``intra_eff`` is that over the datasheet's 900 GB/s
+(`INTRA_EFF`; before: 0.7424 of 900 GB/s, 7% slow). The `nvlink5` tier (`network.py`)
+carries the other kinds. The all-to-all's fixed part is 0 at 8 ranks and 19 / 51 us at 4 / 2
+in that fit; the planner keeps one value per kind, the 8-rank one (the ep4 runs it misprices
+by 19 us a call, about 0.1 ms a step).
 """
 
 from __future__ import annotations
@@ -38,6 +48,27 @@ SOURCE = (
 )
 PEAK_TFLOPS = 2250.0
 ALLREDUCE_BUS_EFF = 0.7424  # its NCCL fit, intra-node all-reduce (high_intra_node)
+NCCL_SOURCE = (
+    "MooreThreads/SimuMax configs/system/b200_bf16_ceperm.json (commit 4dcaae5): nccl-tests "
+    "on one DGX B200 node, fitted per collective (networks.high_intra_node.op)"
+)
+# kind: (bus efficiency of 900 GiB/s, per-step latency us, once-per-call latency us)
+NCCL_FIT: dict[str, tuple[float, float, float]] = {
+    "all_reduce": (0.7424, 5.5183, 22.2316),
+    "all_gather": (0.6735, 9.1828, 23.1049),
+    "reduce_scatter": (0.6731, 8.0325, 25.5604),
+    "all_to_all": (0.5968, 7.3039, 0.0),
+}
+# The all-reduce's bus bandwidth over the datasheet's 900 GB/s: the fit's GiB/s in GB/s.
+INTRA_EFF = ALLREDUCE_BUS_EFF * 1024**3 / 1e9
+# A memory-bound module's fixed cost per call (`launches.py`): the same file's
+# accelerator.bandwidth latency, a default of its combine_efficiency.py template (a prior)
+KERNEL_LATENCY_US = 30.0
+KERNEL_LATENCY_SOURCE = (
+    "MooreThreads/SimuMax configs/system/b200_bf16_ceperm.json (commit 4dcaae5): "
+    "accelerator.bandwidth latency_us 30 per memory-bound op, its template's default "
+    "(a prior, not a measurement)"
+)
 
 # (tokens, in, out, fwd, dgrad, wgrad)
 LINEARS: tuple[tuple[int, int, int, float, float, float], ...] = (

@@ -13,6 +13,9 @@ differs per collective and per group:
   "on PCI systems, the performance you get is usually determined by the bandwidth your CPU
   and memory can deliver", NVIDIA/nccl#1639, where 8 GPUs reach 28 GB/s and 4 reach 35);
 - ``latency_us``: a collective's per-step latency where it differs from the link's;
+- ``fixed_us``: a collective's latency paid once per call whatever the group (launch, the
+  protocol's setup), where measured: nccl-tests fitted as ``fixed + steps x latency + bytes /
+  bandwidth`` (SimuMax's ``nccl_fit.py`` form);
 - ``straggle``: a collective over k nodes waits for the slowest of them; its time grows by
   ``straggle x log2(k)`` (SimuMax's log-n factor; MegaScale, arXiv 2402.15627 §4, and the
   Llama 3 report, arXiv 2407.21783 §3.3.4, describe stragglers at scale).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hyperloom.planner import measured_b200 as MB200
 from hyperloom.planner.errors import PlanError
 
 
@@ -37,6 +41,7 @@ class Tier:
     relative: tuple[tuple[str, float], ...] = ()
     per_doubling: float = 0.0
     latency_us: tuple[tuple[str, float], ...] = ()
+    fixed_us: tuple[tuple[str, float], ...] = ()
     straggle: float = 0.0
     source: str = ""
 
@@ -63,6 +68,22 @@ TIERS: dict[str, Tier] = {
         "208-233 GB/s all-reduce of 300, NVIDIA/nccl-tests#149, #175, #178); all-to-all: "
         "DeepEP's tuned kernels reach 153 of 160 GB/s (H800) and 726 of 900 (B200), NCCL's "
         "per-peer sends less: 0.85 assumed; p2p 0.9 assumed",
+    ),
+    # B200's NVLink5 from nccl-tests on one DGX B200 node, fitted per collective by SimuMax
+    # (`measured_b200.NCCL_FIT`): each kind's own bus efficiency over the all-reduce's, its
+    # per-step and its once-per-call latency. The all-to-all's fixed part depends on the group
+    # in that fit (51 us at 2 ranks, 19 at 4, 0 at 8); the 8-rank value is kept (module
+    # `measured_b200` says why).
+    "nvlink5": Tier(
+        "nvlink5",
+        relative=tuple(
+            (k, MB200.NCCL_FIT[k][0] / MB200.NCCL_FIT["all_reduce"][0])
+            for k in ("all_gather", "reduce_scatter", "all_to_all")
+        )
+        + (("p2p", 0.9),),
+        latency_us=tuple((k, v[1]) for k, v in MB200.NCCL_FIT.items()),
+        fixed_us=tuple((k, v[2]) for k, v in MB200.NCCL_FIT.items()),
+        source=f"{MB200.NCCL_SOURCE}; p2p 0.9 assumed as NVSwitch's",
     ),
     "pcie": Tier(
         "pcie",

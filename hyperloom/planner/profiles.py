@@ -27,7 +27,10 @@ the device reports, in GiB; links are per GPU and per direction. The efficiencie
   al. 2022, validation 2) the kernel model reproduces without one.
 - Links (`network.py`): all-reduce bus bandwidth from nccl-tests reports (8 A100 SXM
   232.5 GB/s of 300, NVIDIA/nccl-tests#175; NCCL's ~24 GB/s per 200 Gb/s NIC,
-  NVIDIA/nccl-tests#119; PCIe from NVIDIA/nccl#1639), the tiers' per-collective factors.
+  NVIDIA/nccl-tests#119; PCIe from NVIDIA/nccl#1639), the tiers' per-collective factors;
+  B200's NVLink5 per collective from SimuMax's nccl-tests fit (`measured_b200.NCCL_FIT`).
+- B200 only: a fixed 30 us per call of a memory-bound module (`launches.py`), SimuMax's
+  default for B200, a prior.
 
 `HardwareProfile.sources` repeats these per field; `hyperloom plan calibrate` replaces them
 with measurements (docs/planner.md, "Profiles").
@@ -210,7 +213,7 @@ B200 = HardwareProfile(
     attn_bwd_eff=0.36 * 4096 / 4608,
     mem_eff=0.84,
     intra_gbs=900.0,
-    intra_eff=MB200.ALLREDUCE_BUS_EFF,
+    intra_eff=MB200.INTRA_EFF,
     inter_eff=0.96,
     elementwise_eff=ELEM_EFF,
     gemm_model=_B200_GEMM,
@@ -218,8 +221,9 @@ B200 = HardwareProfile(
     linear_table=MB200.linear_table(),
     grouped_table=MB200.grouped_table(),
     attn_shape_table=MB200.attention_samples(),
-    intra_tier="nvlink",
+    intra_tier="nvlink5",
     inter_tier="ib",
+    kernel_latency_us=MB200.KERNEL_LATENCY_US,
     step_eff=1.0,
     source="NVIDIA DGX B200 datasheet; efficiencies: see `sources`",
     sources=(
@@ -235,7 +239,9 @@ B200 = HardwareProfile(
         ("mem_eff", MEM + "; assumed alike"),
         ("elementwise_eff", ELEM),
         ("intra_gbs", "NVLink5: 1.8 TB/s both ways, 900 a direction"),
-        ("intra_eff", MB200.SOURCE + ": its NCCL all-reduce fit, 0.7424 bus efficiency"),
+        ("intra_eff", MB200.NCCL_SOURCE + ": all-reduce 0.7424 of 900 GiB/s (717 GB/s)"),
+        ("intra_tier", MB200.NCCL_SOURCE + ": each kind's efficiency and latencies"),
+        ("kernel_latency_us", MB200.KERNEL_LATENCY_SOURCE),
         ("nic_gbs", "DGX B200: ConnectX-7 400 Gb/s per GPU"),
         ("inter_eff", NIC_EFF),
         ("step_eff", "1: kernels measured at the job's shapes (as calibrated profiles)"),

@@ -34,6 +34,7 @@ from hyperloom.pipeline.ir import (
 )
 from hyperloom.pipeline.schedules import pair_forward_backward
 from hyperloom.pipeline.validate import replay
+from hyperloom.planner import launches
 from hyperloom.planner.collectives import collective_time
 from hyperloom.planner.costs import (
     Links,
@@ -210,8 +211,10 @@ def _layer(spec: ModelSpec, cluster: Cluster, rt: Runtime, seq: int, key: Strate
     wgrad = not spec.frozen("decoder")
     dec = key if wgrad else dataclasses.replace(key, zero=0)
     one = layer_phase(layer, spec, dec, acc, links, rt, wgrad=wgrad)
+    one = one + launches.layer_phase(spec, acc, wgrad)  # fixed per-call costs (B200)
     emb = embedding_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
     head = head_phase(spec, key, seq, acc, links, rt, wgrad=wgrad)
+    head = head + launches.head_phase(acc, wgrad)
     if wgrad:  # FSDP2's root module: gathered at each forward (frozen: kept whole)
         first, last = (root_gather_time(spec, key, rt, links, end) for end in (False, True))
         emb = emb + Phase(f=first, dp_comm=first)  # exposed: nothing runs before it
@@ -301,6 +304,8 @@ class Prepared:
     fb_overlap: float = 1.0  # DualPipe's F&B pairs (`fb_overlap`)
     frozen: tuple[float, ...] = ()  # per model chunk, the frozen part of `params` (vlm)
     tower: TowerMemory | None = None  # a vlm's encoder and projector, first chunk
+    # per model chunk, its layers' Phase where they are not `layers` x `one` (`_chunk_layers`)
+    chunk_layers: tuple[Phase, ...] = ()
 
     @functools.cached_property
     def trainable(self) -> tuple[float, ...]:
@@ -311,7 +316,7 @@ class Prepared:
 
     @functools.cached_property
     def phases(self) -> list[Phase]:
-        out = [self.one.scaled(n) for n in self.layers]
+        out = list(self.chunk_layers) or [self.one.scaled(n) for n in self.layers]
         out[0] = out[0] + self.ends[0]
         out[-1] = out[-1] + self.ends[1]
         return out
@@ -353,8 +358,12 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
     lm, one, emb, head, links, tower = _layer(spec, cluster, rt, seq, key)
     rank_chunks = _rank_chunks(s.schedule, s.pp, s.vpp)
     layers, params, experts, frozen = _chunks(spec, s.tp, s.ep, rank_chunks, s.etp)
-    n = np.asarray(layers, dtype=float)
-    f, b, w = one.f * n, one.b * n, one.w * n
+    parts = _chunk_layers(spec, cluster, rt, seq, key, layers)
+    if parts:
+        f, b, w = (np.array([getattr(p, k) for p in parts]) for k in "fbw")
+    else:
+        n = np.asarray(layers, dtype=float)
+        f, b, w = one.f * n, one.b * n, one.w * n
     for i, ph in ((0, emb), (-1, head)):
         f[i] += ph.f
         b[i] += ph.b
@@ -376,6 +385,7 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         p2p=collective_time("p2p", 2, act, links.pp),
         frozen=frozen if any(frozen) else (),
         tower=tower,
+        chunk_layers=parts,
     )
     if s.ep_overlap and rt.ep_pair_hidden and one.ep_comm:
         # One factor serves every pair (`Costs` has one): the busiest rank's, so the rank
@@ -383,6 +393,24 @@ def prepare(spec: ModelSpec, cluster: Cluster, s: Strategy, seq: int, rt: Runtim
         busiest = max((prep.rank_phase(r) for r in range(s.pp)), key=lambda ph: ph.total)
         return dataclasses.replace(prep, fb_overlap=fb_overlap(busiest, rt))
     return prep
+
+
+def _chunk_layers(spec, cluster, rt, seq: int, key: Strategy, layers) -> tuple[Phase, ...]:
+    """Each chunk's layers as they are when a DeepSeek model's dense layers lead (its first
+    `n_dense_layers`, as Megatron-Core's `moe_layer_freq` places them): the first chunks run
+    dense layers, the later ones MoE layers, each costed as itself. Empty where every chunk's
+    layers are the mean layer's multiple (one chunk, or no mix of dense and MoE layers)."""
+    nd, total = spec.n_dense_layers, spec.n_layers
+    if not spec.mla or len(layers) < 2 or not 0 < nd < total:
+        return ()
+    dense = _layer(spec.with_config(n_dense_layers=total), cluster, rt, seq, key)[1]
+    moe = _layer(spec.with_config(n_dense_layers=0), cluster, rt, seq, key)[1]
+    out, start = [], 0
+    for n in layers:
+        d = max(0, min(start + n, nd) - start)
+        out.append(dense.scaled(d) + moe.scaled(n - d))
+        start += n
+    return tuple(out)
 
 
 def memory_per_rank(

@@ -229,3 +229,20 @@ def all_to_all_cost(
 def all_to_all_time(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
     """A plain all-to-all of a per-rank send buffer of `nbytes` over `n` ranks."""
     return all_to_all_cost(cluster, n, stride).time(nbytes)
+
+
+@dataclass(frozen=True)
+class Links:
+    tp: Link
+    cp: Link
+    cp_p2p: Link  # ring attention's neighbour exchange (one NIC once the ring spans nodes)
+    dp: Link  # the gradient group: data x context parallel (`Strategy.dcp`)
+    pp: Link
+    ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
+    etp: Link | None = None  # the expert-tensor-parallel group when etp < tp (else `tp`)
+    etp_rep: Link | None = None  # the tp / etp ranks of a tp group holding the same slices
+    edp: Link | None = None  # the expert-data-parallel group (expert gradients)
+    a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
+    cp_a2a: AllToAll = AllToAll()  # Ulysses' all-to-all over the cp group
+    shard: Link | None = None  # HSDP: one replica group (FSDP2's shard group); else `dp`
+    replicate: Link | None = None  # HSDP: the ranks holding the same shards

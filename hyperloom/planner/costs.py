@@ -43,8 +43,7 @@ import math
 from dataclasses import dataclass
 
 from hyperloom.planner.collectives import (
-    AllToAll,
-    Link,
+    Links,
     all_to_all_cost,
     collective_time,
     group_link,
@@ -57,23 +56,6 @@ from hyperloom.planner.hardware import Cluster, HardwareProfile
 from hyperloom.planner.memory import ce_chunk_tokens
 from hyperloom.planner.model import Layer, ModelSpec, parse_recompute
 from hyperloom.planner.strategy import Runtime, Strategy
-
-
-@dataclass(frozen=True)
-class Links:
-    tp: Link
-    cp: Link
-    cp_p2p: Link  # ring attention's neighbour exchange (one NIC once the ring spans nodes)
-    dp: Link  # the gradient group: data x context parallel (`Strategy.dcp`)
-    pp: Link
-    ep: Link | None = None  # the expert-parallel group (all-gather dispatcher)
-    etp: Link | None = None  # the expert-tensor-parallel group when etp < tp (else `tp`)
-    etp_rep: Link | None = None  # the tp / etp ranks of a tp group holding the same slices
-    edp: Link | None = None  # the expert-data-parallel group (expert gradients)
-    a2a: AllToAll = AllToAll()  # the expert-parallel all-to-all
-    cp_a2a: AllToAll = AllToAll()  # Ulysses' all-to-all over the cp group
-    shard: Link | None = None  # HSDP: one replica group (FSDP2's shard group); else `dp`
-    replicate: Link | None = None  # HSDP: the ranks holding the same shards
 
 
 def expert_strides(s: Strategy, st: dict[str, int]) -> tuple[int, int]:

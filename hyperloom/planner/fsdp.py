@@ -19,15 +19,10 @@ stays in `costs.dp_sync`, beside the other modes'.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hyperloom.planner.collectives import collective_time
+from hyperloom.planner.collectives import Links, collective_time
 from hyperloom.planner.hardware import HardwareProfile
 from hyperloom.planner.model import ModelSpec
 from hyperloom.planner.strategy import Runtime, Strategy
-
-if TYPE_CHECKING:
-    from hyperloom.planner.costs import Links
 
 
 def zero3_gather_groups(spec: ModelSpec, s: Strategy) -> list[tuple[float, int, str]]:

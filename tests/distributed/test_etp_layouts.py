@@ -6,7 +6,8 @@ dp 2 under FSDP2 (zero = 3; the etp slices sharded over dp), at tp 2 x etp 2 x d
 under FSDP2 (each rank's etp slices of its experts sharded over their expert-data-parallel
 pair), at tp 4 x etp 2 with sequence parallelism (two etp groups per tp group each route
 their own rows through the same slices, whose gradients are summed over the ranks holding
-them), alone and x dp 2 x ep 2 under FSDP2 (dp = ep: the experts left whole), against one
+them), alone, x dp 2 x ep 2 under FSDP2 (dp = ep: the experts left whole) and under ZeRO-1, and
+x pp 2 (two micro-batches of two rows), against one
 process with the same global batch: losses and gradient norms within 1e-5 for steps 1-2,
 then `LATER_STEPS_TOL` (`assert_same_training`), three steps. A tp 4 x etp 2 x sp run saved
 after step 2 resumes in one process.
@@ -48,6 +49,13 @@ LAYOUTS = {
         8,
         {**ETP, "parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 3},
     ),
+    # sp at etp < tp under ZeRO-1 (the slices' sum over etp_replica before its reduction)
+    # and under a pipeline (the same sum after the schedule)
+    "tp4-etp2-sp-dp2-ep2-zero1": (
+        8,
+        {**TP4_SP, "parallel__dp": 2, "parallel__ep": 2, "parallel__zero": 1},
+    ),
+    "pp2-tp4-etp2-sp": (8, {**TP4_SP, "parallel__pp": 2, "parallel__microbatches": 2}),
 }
 # Three steps: steps 1-2 hold the 1e-5 bar, step 3 the looser one; moe-tiny's five cost a
 # launch of eight ranks on two cores as much again.
@@ -56,7 +64,7 @@ SAVED = {**TP4_SP, "train__micro_batch_size": 4, "train__stop_at_step": 2}
 
 
 def micro_batch(layout: dict) -> int:
-    return GLOBAL_BATCH // layout.get("parallel__dp", 1)
+    return GLOBAL_BATCH // layout.get("parallel__dp", 1) // layout.get("parallel__microbatches", 1)
 
 
 @pytest.fixture(scope="module")

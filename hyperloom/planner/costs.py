@@ -665,17 +665,20 @@ def optimizer_time(
     params: float, s: Strategy, acc: HardwareProfile, rt: Runtime, expert: float = 0.0
 ) -> float:
     """Adam over the rank's optimizer shard, as memory traffic: read p, g, m, v and write p,
-    m, v (28 B per FP32 element; a separate master adds its read/write and the BF16 copy),
-    plus the gradient-norm read and zeroing of the local gradients (ZeRO-3: their shard),
-    and FP8 weight casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
+    m, v (28 B per FP32 element; a separate master adds 10: the shard's norm read and the
+    BF16 copy, read 4 + write 2), plus two passes over the local gradients (ZeRO-3: their
+    shard): zeroing and a norm read (Megatron's NaN check of every bucket), and FP8 weight
+    casts. The `expert` part of `params` is sharded over the expert-data-parallel group.
     ZeRO-1 adds what the runtime's own step moves beyond that (`Runtime.zero1_step_extra`,
-    `Runtime.zero1_publish_bytes`)."""
+    `Runtime.zero1_publish_bytes`); Megatron its pre-reduction scaling and the clip
+    (`Runtime.grad_prescale`, `Runtime.clip_shard_bytes`)."""
     shard = params / (s.fsdp_shard if s.zero == 3 else s.dcp) if s.zero in (1, 3) else params
     if expert and s.zero in (1, 3):
         shard = (params - expert) / s.dcp + expert / s.edp
-    per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0)
+    per = 28.0 + (10.0 if rt.param_bytes != 4 else 0.0) + rt.clip_shard_bytes
     grads = shard if s.zero == 3 else params  # ZeRO-3 holds (and clips) gradient shards
-    nbytes = shard * per + grads * 2 * rt.grad_bytes
+    passes = 2 + (2 if rt.grad_prescale and s.dcp > 1 else 0)
+    nbytes = shard * per + grads * passes * rt.grad_bytes
     if s.zero == 1 and s.dcp > 1:  # the runtime's own ZeRO-1 step and publication
         nbytes += shard * rt.zero1_step_extra + params * rt.zero1_publish_bytes
     if s.fp8:

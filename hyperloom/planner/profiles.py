@@ -196,7 +196,7 @@ def _hopper(name: str, hbm_gib: float, hbm_gbs: float, mamf: float) -> HardwareP
 # the shapes a job runs, as `plan calibrate` does, so no step efficiency on top (1, as for
 # calibrated profiles); the MAMF figure (1745 TF at a shape NVIDIA does not publish) stays as
 # ``gemm_eff`` and the FP8 ratio.
-_B200_GEMM = GemmModel(148, 0.52677, 304.437, source=f"fitted to {MB200.SOURCE}")
+_B200_GEMM = GemmModel(148, 0.51932, 304.437, source=f"fitted to {MB200.SOURCE}")
 _B200_ATTN = AttentionModel(
     0.52768, 0.38938, 0.0, source=f"fitted to {MB200.SOURCE}", fwd_rows_half=65536.0,
     bwd_rows_half=11585.24,

@@ -105,6 +105,14 @@ class Runtime:
     # parameters copied out, 8 B/param). Megatron gathers into the parameters themselves.
     zero1_step_extra: float = 80.0 - 28.0 + 8.0 + 8.0
     zero1_publish_bytes: float = 12.0
+    # Megatron's passes over the FP32 gradients around the reduction (`optimizer_time`):
+    # each bucket is scaled in place by 1 / (dp x cp) before its collective when dp x cp > 1
+    # (``param_and_grad_buffer.start_grad_sync``; 8 B per parameter, experts included), and
+    # the optimizer multiplies its gradient shard by the clip coefficient (``clip_grads.
+    # clip_grad_by_total_norm_fp32``; 8 B per shard element, charged every step: early in a
+    # run the norm exceeds ``--clip-grad``).
+    grad_prescale: bool = False
+    clip_shard_bytes: float = 0.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
     # zero 3 is PyTorch FSDP2: its gathers' copy-out and reductions' copy-in run on the
     # compute stream (`fsdp.fsdp2_copy_time`); Megatron's FSDP gathers into its buffers
@@ -217,6 +225,8 @@ RUNTIMES = {
         p2p_bytes=2,
         zero1_step_extra=0.0,
         zero1_publish_bytes=0.0,
+        grad_prescale=True,
+        clip_shard_bytes=8.0,
     ),
 }
 

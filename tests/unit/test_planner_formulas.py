@@ -425,3 +425,21 @@ def test_zero1_step_counts_the_runtimes_unfused_adamw_and_publication():
     assert extra == pytest.approx(acc.memory_time(P / 2 * 68.0 + P * 12.0))
     assert optimizer_time(P, z0, acc, hl) == optimizer_time(P, z0, acc, lean)  # DDP: fused
     assert RUNTIMES["megatron"].zero1_step_extra == 0 == RUNTIMES["megatron"].zero1_publish_bytes
+
+
+def test_megatron_step_scales_the_buckets_and_clips_the_shard():
+    """Megatron's passes over its FP32 gradients (`Runtime.grad_prescale`,
+    `Runtime.clip_shard_bytes`): with the distributed optimizer over dp 4, zeroing, the NaN
+    check's read and the 1/dp scaling (r + w) of the whole buffer, 16 B a parameter, and on
+    the shard AdamW 28, the norm 4, the clip 8 (r + w) and the BF16 copy 6, 46 B. At dp 1
+    nothing is scaled. Before: 8 B and 38 B."""
+    from hyperloom.planner.costs import optimizer_time
+
+    acc, mega = PROFILES["b200"], RUNTIMES["megatron"]
+    z1 = Strategy(dp=4, zero=1)
+    assert optimizer_time(P, z1, acc, mega) == pytest.approx(acc.memory_time(P * 16 + P / 4 * 46))
+    one = Strategy(dp=1, zero=1)
+    assert optimizer_time(P, one, acc, mega) == pytest.approx(acc.memory_time(P * 8 + P * 46))
+    # the hyperloom runtime is unchanged
+    hl = RUNTIMES["hyperloom"]
+    assert not hl.grad_prescale and hl.clip_shard_bytes == 0

@@ -6,7 +6,8 @@ Recomputes `hyperloom.planner.published`'s comparisons with the exact replay -- 
 H100 table, Korthikanti et al. 2022 (A100), Llama 3 405B (H100), DeepSeek-V3 (H800) and the
 held-out sets (NVIDIA's Megatron-Core FP8 runs on H100 and B200, torchtitan's FSDP2 on 64
 A100s, and `hyperloom.planner.published_memory`'s measured Megatron-LM runs on 8 B200s from
-SimuMax's release: peak allocated and reserved memory, and step time) -- and prints, per set,
+SimuMax's release: peak allocated and reserved memory, and step time; `published_a100_pcie`'s
+runs on 8 A100 PCIe, step time) -- and prints, per set,
 the number of rows, the mean and the worst relative error, then every held-out row. It then times `search` on one fixed query (llama3-70b, 1024 x
 H100, global batch 1024 x 8192, top 10) `--search-runs` times, keeping the process's CPU
 seconds beside the wall time (the CPU time moves less with other load on a shared machine).
@@ -25,6 +26,7 @@ import machine  # benchmarks/ is on sys.path (scripts run from there)
 from hyperloom.config import preset_config
 from hyperloom.planner import Cluster, ModelSpec, search, simulate
 from hyperloom.planner import published as pub
+from hyperloom.planner import published_a100_pcie as puba100
 from hyperloom.planner import published_memory as pubmem
 
 
@@ -43,6 +45,7 @@ def sets() -> dict[str, list]:
         "held_out_nvidia_fp8": [r for r, _ in pub.nemo_fp8(fast=False)],
         "held_out_torchtitan_a100": [r for r, _ in pub.torchtitan_a100(fast=False)],
         "held_out_b200_step": pubmem.simumax_step_time(),
+        "held_out_a100_pcie_step": puba100.a100_pcie_step_time(),
         "held_out_b200_memory_allocated": [r for r in memory if r.quantity.startswith("alloc")],
         "held_out_b200_memory_reserved": [r for r in memory if r.quantity.startswith("res")],
     }
@@ -54,6 +57,7 @@ HELD_OUT = (
     "held_out_b200_memory_allocated",
     "held_out_b200_memory_reserved",
     "held_out_b200_step",
+    "held_out_a100_pcie_step",
 )
 
 

@@ -127,7 +127,10 @@ def group_link(cluster: Cluster, size: int, stride: int) -> Link:
     if size <= 1:
         return Link(bw, 0.0, level="local")
     if size * stride <= g:
-        return _tier_link(acc, bw, "intra", size, fixed=acc.collective_wait_us * 1e-6)
+        wait = acc.collective_wait_us * 1e-6
+        if stride > 1 and get_tier(acc.intra_tier).shared:  # `stride` groups share the span
+            return _tier_link(acc, bw / stride, "intra", size * stride, fixed=wait)
+        return _tier_link(acc, bw, "intra", size, fixed=wait)
     per_node = max(1, min(size, g // stride)) if stride < g else 1
     inter_bw = acc.nic_gbs * 1e9 * acc.inter_eff * per_node
     return _tier_link(acc, min(inter_bw, bw), "inter", size, size // per_node)

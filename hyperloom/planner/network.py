@@ -19,6 +19,10 @@ differs per collective and per group:
 - ``straggle``: a collective over k nodes waits for the slowest of them; its time grows by
   ``straggle x log2(k)`` (SimuMax's log-n factor; MegaScale, arXiv 2402.15627 §4, and the
   Llama 3 report, arXiv 2407.21783 §3.3.4, describe stragglers at scale).
+- ``shared``: the ranks of a node share one bottleneck (PCIe's root complex and host
+  memory), so groups whose ranks interleave with others' (a data-parallel group spaced tp
+  apart) run at the same time over the same span: each gets the span's bandwidth (the
+  group-size loss of all its ranks) over the number of such groups (`collectives.group_link`).
 
 An empty tier name keeps the plain ring model (calibrated profiles: their measured
 `collective_scale` plays the part of ``relative``).
@@ -43,6 +47,7 @@ class Tier:
     latency_us: tuple[tuple[str, float], ...] = ()
     fixed_us: tuple[tuple[str, float], ...] = ()
     straggle: float = 0.0
+    shared: bool = False
     source: str = ""
 
     def efficiency(self, kind: str) -> float:
@@ -90,10 +95,11 @@ TIERS: dict[str, Tier] = {
         relative=(("all_to_all", 0.8), ("p2p", 1.0)),
         per_doubling=0.2,
         latency_us=(("all_reduce", 8.0), ("all_gather", 8.0), ("reduce_scatter", 8.0)),
+        shared=True,
         source="PCIe through the CPU: the group shares the root complex and host memory; "
         "8 GPUs all-reduce at 28 GB/s against 35 for 4 on PCIe 5 x16 (64 GB/s a direction; "
         "NVIDIA/nccl#1639), so 20% per doubling and 0.55 of the link at 4 ranks, 0.68 at 2; "
-        "step latency 8 us assumed",
+        "interleaved groups share the span they cover; step latency 8 us assumed",
     ),
     "xgmi": Tier(
         "xgmi",

@@ -518,6 +518,10 @@ def report_markdown() -> str:
     out.append(_table(pm.simumax_step_time()))
     out.append("\n### Held out: the same runs, peak memory allocated and reserved (GiB)\n")
     out.append(_table(pm.simumax_memory()))
+    from hyperloom.planner import published_a100_pcie as pa
+
+    out.append("\n### Held out: Megatron-LM on 8 A100 PCIe (SimuMax's runs), step time\n")
+    out.append(_table(pa.a100_pcie_step_time()))
     return "\n".join(out)
 
 

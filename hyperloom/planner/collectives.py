@@ -92,6 +92,12 @@ def _tier_link(
     tier, scale, alphas = _tier_factors(name, acc.collective_scale)
     latency = (acc.inter_latency_us if inter else acc.intra_latency_us) * 1e-6
     bw = bandwidth * tier.group_factor(n)
+    measured = tier.at_size(n)
+    if measured:  # the measured group size: its own bandwidth per kind and latencies
+        ref = measured["all_reduce"][0]
+        bw = bandwidth * ref
+        scale = tuple((k, ref / rel) for k, (rel, _) in measured.items() if k != "all_reduce")
+        alphas = tuple((k, us * 1e-6) for k, (_, us) in measured.items())
     slow = tier.straggler(nodes) if inter else 1.0
     once = tuple((k, us * 1e-6) for k, us in tier.fixed_us)
     return Link(bw, latency, fixed, level, scale, alphas, slow, once)

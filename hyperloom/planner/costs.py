@@ -191,7 +191,8 @@ def layer_phase(
         core = sum(acc.gemm_time(g.m, g.n, g.k, False, g.count) for g in layer.attn_gemms)
         attn_f = core + acc.memory_time(layer.core_bytes)
         attn_b = 2 * core + acc.memory_time(1.5 * layer.core_bytes)
-    elem_f = acc.elementwise_time(layer.elementwise_bytes)
+    permute = layer.permute_bytes
+    elem_f = acc.elementwise_time(layer.elementwise_bytes - permute) + acc.permute_time(permute)
 
     t, sp = s.tp, s.sp and s.tp > 1
     buf = layer.tp_buffer

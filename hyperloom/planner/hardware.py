@@ -85,6 +85,10 @@ class HardwareProfile:
     # gradients' casts back) relative to ``mem_eff``: eager, unfused, and on CPUs slower than
     # a copy. `calibrate` measures it; 1.0 for the datasheet profiles.
     cast_eff: float = 1.0
+    # TransformerEngine's fused MoE permutation and un-permutation (and the weighted combine)
+    # as a share of the HBM peak, where measured (`measured_b200`, `measured_a100_pcie`);
+    # 0 = at the elementwise rate like the other memory-bound kernels.
+    permute_eff: float = 0.0
     # Calibrated attention by sequence length: (seq, fwd_eff, bwd_eff), nearest seq wins
     # over ``attn_fwd_eff``/``attn_bwd_eff`` (flash kernels get faster with longer rows).
     attn_table: tuple[tuple[int, float, float], ...] = field(default=())
@@ -210,6 +214,13 @@ class HardwareProfile:
         """Seconds of activation elementwise kernels moving `nbytes` (``elementwise_eff``)."""
         return self.memory_time(nbytes) / self.elementwise_eff
 
+    def permute_time(self, nbytes: float) -> float:
+        """Seconds of the MoE token permutation moving `nbytes` (``permute_eff``, else the
+        elementwise rate)."""
+        if self.permute_eff:
+            return nbytes / (self.hbm_gbs * 1e9 * self.permute_eff)
+        return self.elementwise_time(nbytes)
+
     def cast_time(self, nbytes: float) -> float:
         """Seconds of dtype conversions moving `nbytes` (``cast_eff``)."""
         return self.memory_time(nbytes) / self.cast_eff
@@ -317,6 +328,7 @@ def roofline(acc: HardwareProfile) -> HardwareProfile:
         mem_eff=1.0,
         elementwise_eff=1.0,
         cast_eff=1.0,
+        permute_eff=0.0,
         intra_eff=1.0,
         inter_eff=1.0,
         intra_latency_us=0.0,

@@ -22,6 +22,11 @@ The tables below restate that file's numbers (three decimals), rearranged:
   planner counts executed FLOPs (`model.Layer.attn_flops`), so `attention_samples` halves
   them.
 
+`PERMUTE_EFF`: TE's fused MoE permutation and un-permutation (Megatron's
+``--moe-permute-fusion``), timed by the repository's ``test_ce_permute_efficiency.py`` at
+0.5008 (forward) and 0.5108 (backward) of 8,000 GiB/s after 30 us per launch; their mean in
+GB/s over the datasheet's 8,000 GB/s (`HardwareProfile.permute_eff`).
+
 Not taken: the file's memory bandwidth factor (0.666 for every memory-bound kernel is a
 default of its ``combine_efficiency.py``, not a measurement) and its FP8 entries (none
 measured).
@@ -61,6 +66,8 @@ NCCL_FIT: dict[str, tuple[float, float, float]] = {
 }
 # The all-reduce's bus bandwidth over the datasheet's 900 GB/s: the fit's GiB/s in GB/s.
 INTRA_EFF = ALLREDUCE_BUS_EFF * 1024**3 / 1e9
+# TE's fused permutation, forward and backward, of 8,000 GiB/s; their mean over 8,000 GB/s
+PERMUTE_EFF = (0.5008 + 0.5108) / 2 * 1024**3 / 1e9
 # A memory-bound module's fixed cost per call (`launches.py`): the same file's
 # accelerator.bandwidth latency, a default of its combine_efficiency.py template (a prior)
 KERNEL_LATENCY_US = 30.0
@@ -266,28 +273,35 @@ ATTENTION: tuple[tuple[int, int, int, int, int, float, float], ...] = (
 )
 
 
-def gemm_samples() -> list[tuple[tuple[float, float, float], float]]:
-    """Every measured GEMM as ((m, n, k), efficiency), the three forms of each linear."""
+def gemm_samples(linears: tuple = LINEARS) -> list[tuple[tuple[float, float, float], float]]:
+    """Every measured GEMM as ((m, n, k), efficiency), the three forms of each linear (of
+    `linears`, rows as `LINEARS`; `measured_a100_pcie` passes its own)."""
     out = []
-    for tokens, k, n, *effs in LINEARS:
+    for tokens, k, n, *effs in linears:
         out += list(zip(gemm_forms(tokens, n, k), effs, strict=True))
     return out
 
 
-def linear_table() -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
+def linear_table(
+    linears: tuple = LINEARS,
+) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
     """`HardwareProfile.linear_table`: forward (m, n, k) -> (fwd, dgrad, wgrad)."""
-    return tuple(((float(t), float(n), float(k)), tuple(e)) for t, k, n, *e in LINEARS)
+    return tuple(((float(t), float(n), float(k)), tuple(e)) for t, k, n, *e in linears)
 
 
-def grouped_table() -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
+def grouped_table(
+    grouped: tuple = GROUPED,
+) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
     """`HardwareProfile.grouped_table`: (groups, m, n, k) -> (fwd, dgrad, wgrad)."""
-    return tuple(((float(g), float(m), float(n), float(k)), tuple(e)) for g, m, k, n, *e in GROUPED)
+    return tuple(((float(g), float(m), float(n), float(k)), tuple(e)) for g, m, k, n, *e in grouped)
 
 
-def attention_samples() -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
+def attention_samples(
+    attention: tuple = ATTENTION,
+) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
     """`HardwareProfile.attn_shape_table`: (seq, query rows per key row = heads, qk head dim)
     -> (fwd, bwd) efficiency on executed (causal) FLOPs: SimuMax's figures halved."""
     return tuple(
         ((float(s), float(h), float(dq)), (fwd / 2, bwd / 2))
-        for s, h, _, dq, _, fwd, bwd in ATTENTION
+        for s, h, _, dq, _, fwd, bwd in attention
     )

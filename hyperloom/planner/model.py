@@ -549,6 +549,7 @@ class Layer:
     grad_out_bytes: float  # output-gradient bytes of the GEMMs (Zero Bubble's W keeps them)
     moe_fraction: float = 0.0  # share of the layers that are MoE (the mean layer's weight)
     expert_act_bytes: float = 0.0  # the routed experts' part of act_bytes ("experts" recompute)
+    permute_bytes: float = 0.0  # the part spent permuting tokens to experts and back (MoE)
     seq: float = 0.0  # keys each query meets (the sequence), for calibrated attention
     head_dim: float = 0.0  # the attention's query/key head dim (its kernel's efficiency)
     # query heads per sequence of `seq` rows that this rank's attention kernel runs
@@ -897,7 +898,7 @@ def _build_deepseek_layer(
         ]
     act = 6.0 * tokens * wd * f / t
     expert_act = 0.0  # the routed experts' share of `act`
-    permute = 0.0
+    permute = router = 0.0
     if wm:
         shared = S * fe / t
         saved += [
@@ -911,8 +912,9 @@ def _build_deepseek_layer(
         ]
         expert_act = wm * 6.0 * routed_rows * fe / e
         act += wm * 6.0 * tokens * shared + expert_act
-        # router softmax/sigmoid + top-k (fp32), permute in and out, weighted combine
-        permute = wm * (8.0 * tokens * E + 2 * 4.0 * routed_rows * h + 6.0 * routed_rows * h)
+        # router softmax/sigmoid + top-k (fp32); permute in and out, weighted combine
+        permute = wm * (2 * 4.0 + 6.0) * routed_rows * h
+        router = wm * 8.0 * tokens * E
     norms = 2 * 4.0 * x_sp + 4.0 * tokens * (ql + kvl)
     elementwise = (
         norms
@@ -920,6 +922,7 @@ def _build_deepseek_layer(
         + 2 * 6.0 * x_sp
         + act
         + permute
+        + router
     )
     grad_out = sum(2.0 * g.m * g.n * g.count for g in gemms)
     return Layer(
@@ -929,6 +932,7 @@ def _build_deepseek_layer(
         elementwise_bytes=elementwise,
         norm_bytes=norms,
         act_bytes=act,
+        permute_bytes=permute,
         core_bytes=0.0,
         saved=tuple(saved),
         tp_buffer=A * x_full,

@@ -19,6 +19,11 @@ differs per collective and per group:
 - ``straggle``: a collective over k nodes waits for the slowest of them; its time grows by
   ``straggle x log2(k)`` (SimuMax's log-n factor; MegaScale, arXiv 2402.15627 §4, and the
   Llama 3 report, arXiv 2407.21783 §3.3.4, describe stragglers at scale).
+- ``sized``: measured per group size, where a fabric's groups differ by more than a per-doubling
+  loss (a PCIe node's two or four GPUs under one switch, eight across the sockets): (ranks,
+  kind, bus bandwidth over the profile's link, per-step latency us); a group takes the
+  smallest measured size that holds it, in place of ``relative``, ``per_doubling`` and
+  ``latency_us``;
 - ``shared``: the ranks of a node share one bottleneck (PCIe's root complex and host
   memory), so groups whose ranks interleave with others' (a data-parallel group spaced tp
   apart) run at the same time over the same span: each gets the span's bandwidth (the
@@ -33,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hyperloom.planner import measured_a100_pcie as MA100P
 from hyperloom.planner import measured_b200 as MB200
 from hyperloom.planner.errors import PlanError
 
@@ -47,6 +53,7 @@ class Tier:
     latency_us: tuple[tuple[str, float], ...] = ()
     fixed_us: tuple[tuple[str, float], ...] = ()
     straggle: float = 0.0
+    sized: tuple[tuple[int, str, float, float], ...] = ()
     shared: bool = False
     source: str = ""
 
@@ -57,6 +64,16 @@ class Tier:
     def group_factor(self, n: int) -> float:
         """Bus bandwidth of an n-rank group over a 2-rank one."""
         return (1.0 - self.per_doubling) ** max(0.0, math.log2(max(n, 2)) - 1.0)
+
+    def at_size(self, n: int) -> dict[str, tuple[float, float]]:
+        """kind -> (bus bandwidth over the link's, per-step latency us) measured for the
+        smallest group of at least `n` ranks (the largest measured beyond them); {} when the
+        tier is not `sized`."""
+        sizes = sorted({m for m, *_ in self.sized})
+        if not sizes:
+            return {}
+        m = next((m for m in sizes if m >= n), sizes[-1])
+        return {kind: (rel, us) for size, kind, rel, us in self.sized if size == m}
 
     def straggler(self, nodes: int) -> float:
         """Factor on a collective's time over `nodes` nodes (1 inside one)."""
@@ -100,6 +117,19 @@ TIERS: dict[str, Tier] = {
         "8 GPUs all-reduce at 28 GB/s against 35 for 4 on PCIe 5 x16 (64 GB/s a direction; "
         "NVIDIA/nccl#1639), so 20% per doubling and 0.55 of the link at 4 ranks, 0.68 at 2; "
         "interleaved groups share the span they cover; step latency 8 us assumed",
+    ),
+    # One 8-GPU A100 PCIe node, measured: SimuMax's nccl-tests fits per collective and group
+    # size (`measured_a100_pcie.NCCL_FIT`), each bus bandwidth over the 2-rank all-reduce's
+    # (the profile's link); 2 and 4 ranks share a PCIe switch, 8 cross the sockets.
+    "pcie-a100": Tier(
+        "pcie-a100",
+        sized=tuple(
+            (n, kind, eff / MA100P.NCCL_FIT[2]["all_reduce"][0], us)
+            for n, fits in MA100P.NCCL_FIT.items()
+            for kind, (eff, us) in fits.items()
+        ),
+        shared=True,
+        source=f"{MA100P.NCCL_SOURCE}; interleaved groups share the span they cover",
     ),
     "xgmi": Tier(
         "xgmi",

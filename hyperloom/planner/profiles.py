@@ -38,6 +38,7 @@ with measurements (docs/planner.md, "Profiles").
 
 from __future__ import annotations
 
+from hyperloom.planner import measured_a100_pcie as MA100P
 from hyperloom.planner import measured_b200 as MB200
 from hyperloom.planner.hardware import HardwareProfile
 from hyperloom.planner.kernels import AttentionModel, GemmModel, derive_peak_eff
@@ -105,7 +106,15 @@ A100 = HardwareProfile(
 
 # A100 PCIe 80GB: the same GA100 at 300 W, HBM2e 1.935 TB/s, no NVLink bridge assumed: GPUs
 # talk over PCIe Gen4 x16 (16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s a direction).
+# Kernels: the public per-shape measurements of `measured_a100_pcie` (one A100 PCIe) as
+# tables, and the GEMM and attention models fitted to them (the constants are the fits'
+# result, checked by tests/unit/test_planner_a100_pcie.py) for the shapes they lack.
 _PCIE_RATIO = 256.4 / 267.9  # its MAMF over the SXM part's: the power cap's cost
+_A100_PCIE_GEMM = GemmModel(108, 0.75812, 152.219, source=f"fitted to {MA100P.SOURCE}")
+_A100_PCIE_ATTN = AttentionModel(
+    0.63343, 0.45415, 0.0, source=f"fitted to {MA100P.SOURCE}", fwd_rows_half=23170.48,
+    bwd_rows_half=5792.62,
+)  # fmt: skip
 A100_PCIE = HardwareProfile(
     "a100-pcie",
     312.0,
@@ -118,26 +127,33 @@ A100_PCIE = HardwareProfile(
     attn_bwd_eff=A100.attn_bwd_eff * _PCIE_RATIO,
     mem_eff=0.84,
     intra_gbs=31.5,
-    intra_eff=0.68,
+    intra_eff=MA100P.INTRA_EFF,
     intra_latency_us=8.0,
     nic_gbs=12.5,
     inter_eff=0.96,
     elementwise_eff=ELEM_EFF,
-    gemm_model=GemmModel(
-        108, _A100_GEMM.peak_eff * _PCIE_RATIO, source=f"{MAMF}: A100 PCIe 256.4 TF"
-    ),
-    attn_model=_attn(0.73 * _PCIE_RATIO, 0.62 * _PCIE_RATIO, 256.0, _A100_ATTN.source),
-    intra_tier="pcie",
+    permute_eff=MA100P.PERMUTE_EFF,
+    gemm_model=_A100_PCIE_GEMM,
+    attn_model=_A100_PCIE_ATTN,
+    linear_table=MB200.linear_table(MA100P.LINEARS),
+    grouped_table=MB200.grouped_table(MA100P.GROUPED),
+    attn_shape_table=MB200.attention_samples(MA100P.ATTENTION),
+    intra_tier="pcie-a100",
     inter_tier="ib",
     source="NVIDIA A100 PCIe datasheet; efficiencies: see `sources`",
     sources=(
         ("bf16_tflops", "NVIDIA A100 PCIe datasheet: 312 TF dense BF16, 300 W"),
         ("hbm_gbs", "NVIDIA A100 80GB PCIe datasheet: 1,935 GB/s"),
-        ("gemm_model", f"{MAMF}: A100 PCIe 256.4 TF (82.2%), the SXM model scaled by it"),
-        ("attn_model", "the A100 SXM model scaled by the MAMF ratio 256.4 / 267.9"),
+        ("gemm_model", f"fitted to {MA100P.SOURCE} (61 linears x 3 forms)"),
+        ("attn_model", f"fitted to {MA100P.SOURCE} (12 shapes)"),
+        ("linear_table", MA100P.SOURCE + ": 61 linears' three GEMMs"),
+        ("grouped_table", MA100P.SOURCE + ": TE grouped GEMMs of routed experts"),
+        ("attn_shape_table", MA100P.SOURCE + ": TE flash attention, halved to causal FLOPs"),
+        ("permute_eff", MA100P.SOURCE + ": TE fused permutation 0.1879 of 1,600 GiB/s"),
         ("mem_eff", MEM + "; assumed alike"),
         ("intra_gbs", "PCIe Gen4 x16: 31.5 GB/s a direction; no NVLink bridge"),
-        ("intra_eff", "0.68 of PCIe at 2 ranks, 20% less per doubling (NVIDIA/nccl#1639)"),
+        ("intra_eff", MA100P.NCCL_SOURCE + ": 2-rank all-reduce 0.6965 of 30 GiB/s"),
+        ("intra_tier", MA100P.NCCL_SOURCE + ": each kind and group size (2, 4, 8)"),
         ("nic_gbs", "assumed: one 200 Gb/s NIC per two GPUs"),
         ("inter_eff", NIC_EFF),
         ("step_eff", "1, as the A100 SXM part"),
@@ -221,6 +237,7 @@ B200 = HardwareProfile(
     linear_table=MB200.linear_table(),
     grouped_table=MB200.grouped_table(),
     attn_shape_table=MB200.attention_samples(),
+    permute_eff=MB200.PERMUTE_EFF,
     intra_tier="nvlink5",
     inter_tier="ib",
     kernel_latency_us=MB200.KERNEL_LATENCY_US,
@@ -234,6 +251,7 @@ B200 = HardwareProfile(
         ("linear_table", MB200.SOURCE + ": 144 linears' three GEMMs"),
         ("grouped_table", MB200.SOURCE + ": TE grouped GEMMs of routed experts"),
         ("attn_shape_table", MB200.SOURCE + ": TE flash attention, halved to causal FLOPs"),
+        ("permute_eff", MB200.SOURCE + ": TE fused permutation 0.5008 / 0.5108 of 8,000 GiB/s"),
         ("fp8_speedup", f"{MAMF}: B200 FP8 3432.5 over BF16 1745 TF"),
         ("attn_model", _B200_ATTN.source),
         ("mem_eff", MEM + "; assumed alike"),

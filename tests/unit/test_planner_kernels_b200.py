@@ -93,15 +93,17 @@ def test_profile_tables_survive_json():
     assert again.gemm_times(4096.0, 10240.0, 8192.0) == B200.gemm_times(4096.0, 10240.0, 8192.0)
 
 
-def test_simumax_step_times_come_closer_and_stay_fast():
-    """Validation 6c (held out, kernel-calibrated): 24.4% mean before the measured kernels;
-    still every row fast (the per-kernel gaps and the MoE path are not modelled)."""
+def test_simumax_step_times_meet_the_issue_targets_and_stay_fast():
+    """Validation 6c (held out, kernel-calibrated): 24.4% mean before the measured kernels,
+    10.0% / -21.2% before the FP32 weight gradients, Megatron's step passes and the measured
+    permutation; now within the issue's targets (mean 8%, every row 20%), every row still
+    fast (the MoE path's small kernels are not modelled)."""
     from hyperloom.planner.published_memory import simumax_step_time
 
     errs = [r.predicted / r.published - 1 for r in simumax_step_time()]
     assert len(errs) == 43 and all(e < 0 for e in errs)
-    assert sum(abs(e) for e in errs) / len(errs) < 0.16
-    assert min(errs) > -0.34
+    assert sum(abs(e) for e in errs) / len(errs) <= 0.08
+    assert min(errs) >= -0.20
 
 
 def test_fsdp_parts_live_in_their_own_module():

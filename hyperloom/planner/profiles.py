@@ -7,9 +7,11 @@ the device reports, in GiB; links are per GPU and per direction. The efficiencie
   model reproduces the published maximum achievable matmul FLOPS (MAMF, stas00/ml-engineering
   "Maximum Achievable Matmul FLOPS comparison table") at the shape where it was measured;
   ``gemm_eff`` keeps that MAMF over the peak. FP8 GEMMs at the published FP8 over BF16 MAMF
-  ratio where there is one.
-- Attention (`kernels.AttentionModel`): A100 from FlashAttention-2's kernel measurements
-  (arXiv 2307.08691: 50-73% of the A100's peak forward); H100/H200 and B200 from the in-step
+  ratio where there is one. B200 and A100 PCIe: public per-shape measurements (SimuMax's
+  system files: `measured_b200`, `measured_a100_pcie`) as tables, the models fitted to them;
+  A100 SXM: the PCIe part's fits over the MAMF ratio of the two (MAMF is a best shape).
+- Attention (`kernels.AttentionModel`): measured per shape on B200 and A100 PCIe (the SXM
+  part from the PCIe fit, as its GEMMs); H100/H200 from the in-step
   decomposition of a Llama-3.1-8B training step at 8K tokens in stas00/ml-engineering's
   H200-to-B200 upgrade study (FlashAttention-3 447 TFLOP/s forward + backward on H200, 45%;
   FlashAttention-4 834 on B200, 37%), split forward/backward as FlashAttention-3 (arXiv
@@ -28,7 +30,8 @@ the device reports, in GiB; links are per GPU and per direction. The efficiencie
 - Links (`network.py`): all-reduce bus bandwidth from nccl-tests reports (8 A100 SXM
   232.5 GB/s of 300, NVIDIA/nccl-tests#175; NCCL's ~24 GB/s per 200 Gb/s NIC,
   NVIDIA/nccl-tests#119; PCIe from NVIDIA/nccl#1639), the tiers' per-collective factors;
-  B200's NVLink5 per collective from SimuMax's nccl-tests fit (`measured_b200.NCCL_FIT`).
+  B200's NVLink5 per collective and A100 PCIe's per collective and group size from SimuMax's
+  nccl-tests fits (`measured_b200.NCCL_FIT`, `measured_a100_pcie.NCCL_FIT`).
 - B200 only: a fixed 30 us per call of a memory-bound module (`launches.py`), SimuMax's
   default for B200, a prior.
 
@@ -63,12 +66,31 @@ def _gemm(sms: int, mamf_eff: float, shape: tuple[int, int, int], source: str) -
     return GemmModel(sms, derive_peak_eff(sms, mamf_eff, shape), source=source)
 
 
+# A100 PCIe's kernels: the public per-shape measurements of `measured_a100_pcie` (one A100
+# PCIe), and the GEMM and attention models fitted to them (the constants are the fits'
+# result, checked by tests/unit/test_planner_a100_pcie.py) for the shapes they lack.
+_PCIE_RATIO = 256.4 / 267.9  # its MAMF over the SXM part's: the power cap's cost
+_A100_PCIE_GEMM = GemmModel(108, 0.75812, 152.219, source=f"fitted to {MA100P.SOURCE}")
+_A100_PCIE_ATTN = AttentionModel(
+    0.63343, 0.45415, 0.0, source=f"fitted to {MA100P.SOURCE}", fwd_rows_half=23170.48,
+    bwd_rows_half=5792.62,
+)  # fmt: skip
+
 # A100 SXM4 80GB: 108 SMs, 312 TF BF16, HBM2e 2.039 TB/s, NVLink3 600 GB/s both ways,
-# DGX A100: 8x ConnectX-6 HDR 200 Gb/s.
-_A100_GEMM = _gemm(108, 267.9 / 312, (6912, 16384, 2048), f"{MAMF}: A100 SXM 267.9 TF")
-_A100_ATTN = _attn(
-    0.73, 0.62, 256.0, "FlashAttention-2: up to 73% forward, 50% at short rows; backward 0.85x"
+# DGX A100: 8x ConnectX-6 HDR 200 Gb/s. Kernels: the same GA100 as the PCIe part, whose
+# kernels are measured per shape, uncapped: its fitted models over the MAMF ratio of the two
+# parts (the 300 W cap costs the PCIe part 4.3% on GEMMs; attention assumed alike). MAMF's
+# own 0.859 is the best shape its search found, which the measured shapes of real layers do
+# not reach (0.78-0.79 at Llama 2 13B's, where the MAMF-anchored model gave 0.85).
+_A100_SXM = f"{MA100P.SOURCE}, fitted, over the MAMF ratio 256.4 / 267.9 ({MAMF})"
+_A100_GEMM = GemmModel(
+    108, _A100_PCIE_GEMM.peak_eff / _PCIE_RATIO, _A100_PCIE_GEMM.k_half, source=_A100_SXM
 )
+_A100_ATTN = AttentionModel(
+    _A100_PCIE_ATTN.fwd_max / _PCIE_RATIO, _A100_PCIE_ATTN.bwd_max / _PCIE_RATIO, 0.0,
+    source=_A100_SXM, fwd_rows_half=_A100_PCIE_ATTN.fwd_rows_half,
+    bwd_rows_half=_A100_PCIE_ATTN.bwd_rows_half,
+)  # fmt: skip
 A100 = HardwareProfile(
     "a100",
     312.0,
@@ -93,7 +115,7 @@ A100 = HardwareProfile(
     sources=(
         ("bf16_tflops", "NVIDIA A100 datasheet: 312 TF dense BF16, no FP8"),
         ("hbm_gbs", "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s"),
-        ("gemm_model", _A100_GEMM.source + " at 6912x16384x2048; 108 SMs"),
+        ("gemm_model", _A100_GEMM.source + "; 108 SMs"),
         ("attn_model", _A100_ATTN.source),
         ("mem_eff", MEM + "; assumed alike"),
         ("elementwise_eff", ELEM),
@@ -106,15 +128,7 @@ A100 = HardwareProfile(
 
 # A100 PCIe 80GB: the same GA100 at 300 W, HBM2e 1.935 TB/s, no NVLink bridge assumed: GPUs
 # talk over PCIe Gen4 x16 (16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s a direction).
-# Kernels: the public per-shape measurements of `measured_a100_pcie` (one A100 PCIe) as
-# tables, and the GEMM and attention models fitted to them (the constants are the fits'
-# result, checked by tests/unit/test_planner_a100_pcie.py) for the shapes they lack.
-_PCIE_RATIO = 256.4 / 267.9  # its MAMF over the SXM part's: the power cap's cost
-_A100_PCIE_GEMM = GemmModel(108, 0.75812, 152.219, source=f"fitted to {MA100P.SOURCE}")
-_A100_PCIE_ATTN = AttentionModel(
-    0.63343, 0.45415, 0.0, source=f"fitted to {MA100P.SOURCE}", fwd_rows_half=23170.48,
-    bwd_rows_half=5792.62,
-)  # fmt: skip
+# Kernels: `measured_a100_pcie`'s tables and the models fitted to them (above).
 A100_PCIE = HardwareProfile(
     "a100-pcie",
     312.0,

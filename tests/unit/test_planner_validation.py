@@ -33,8 +33,8 @@ def test_korthikanti_model_states_within_10_percent(korthikanti):
 def test_korthikanti_iteration_times_within_15_percent(korthikanti):
     rows = [r for r in korthikanti if r.quantity.startswith("time")]
     assert len(rows) == 8
-    for r in rows:
-        assert -0.15 < r.error < 0.05, (r.case, r.quantity, r.predicted, r.published)
+    for r in rows:  # -11% to +3% with the MAMF-anchored kernels; -5% to +9% with the measured
+        assert -0.10 < r.error < 0.10, (r.case, r.quantity, r.predicted, r.published)
     # and selective recompute + SP beats full recompute by about the published margin
     by = {(r.case, r.quantity.split()[1]): r for r in rows}
     for case in ("22B", "175B", "530B", "1T"):
@@ -96,11 +96,13 @@ def test_held_out_nvidia_runs_meet_the_issue_targets():
     assert max(errors) < 0.10, [(r.case, round(r.error, 3)) for r in rows]
 
 
-def test_held_out_torchtitan_a100_is_predicted_fast_and_says_so():
-    """torchtitan's eager FSDP2 runs on 64 A100s miss the targets: every step predicted
-    12-21% fast even with the eager elementwise bytes (FSDP2's copies and host overhead are
-    not modelled; docs/planner.md). Pinned so that a change in either direction shows."""
+def test_held_out_torchtitan_a100_meets_the_targets_with_its_eager_bytes():
+    """torchtitan's eager FSDP2 runs on 64 A100s (validation 6b): every step predicted fast,
+    now within the issue's targets (mean 8%, every row 20%) since the A100's kernels come from
+    the measured PCIe part (14.4% / -19.3% with the MAMF-anchored ones); the eager elementwise
+    bytes still bring each row closer than the fused ones."""
     eager = [r for r, _ in pub.torchtitan_a100(fast=True)]
     fused = [r for r, _ in pub.torchtitan_a100(fast=True, eager=False)]
     for e, f in zip(eager, fused, strict=True):
-        assert -0.25 < f.error < e.error < -0.10, (e.case, e.error, f.error)
+        assert -0.20 < f.error < e.error < 0.0, (e.case, e.error, f.error)
+    assert sum(abs(r.error) for r in eager) / len(eager) <= 0.08

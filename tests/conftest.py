@@ -144,6 +144,22 @@ def cli_train():
     return train_records
 
 
+def launch_workers(
+    worker: Path, nproc: int, *args: object, timeout: float
+) -> subprocess.CompletedProcess:
+    """Run `worker` with `args` under torchrun on `nproc` local processes (one plain process
+    for `nproc = 1`), its output captured."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *(launcher if nproc > 1 else []), str(worker), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_workers(worker: Path, nproc: int, *args: object, timeout: float) -> None:
+    """`launch_workers`, failing the test with the tail of its stderr unless it exits 0."""
+    result = launch_workers(worker, nproc, *args, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 def train_jobs(
     out: str | os.PathLike,
     nproc: int,
@@ -164,9 +180,7 @@ def train_jobs(
     spec = out / "jobs.json"
     spec.write_text(json.dumps({"out": str(out), "job": job, "cases": cases, "shapes": shapes}))
     worker = Path(__file__).parent / "distributed" / "jobs_worker.py"
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc > 1 else []), str(worker), str(spec)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return launch_workers(worker, nproc, spec, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

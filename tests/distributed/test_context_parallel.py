@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import override_args
+from conftest import override_args, run_workers
 from test_parallel_layouts import MODEL as LAYOUT_MODEL
 
 GLOBAL_BATCH = 8
@@ -147,14 +145,7 @@ def test_attention_equals_whole_sequence(tmp_path):
     worker = Path(__file__).parent / "context_attention_worker.py"
     for cp in (2, 4):
         out = tmp_path / f"cp{cp}.json"
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
-        result = subprocess.run(
-            [sys.executable, *launcher, str(worker), str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_workers(worker, cp, out, timeout=300)
         errors = json.loads(out.read_text())
         forms = {k.split("/")[0] for k in errors}
         shapes = {k.split("/")[1] for k in errors}
@@ -254,10 +245,7 @@ def test_activation_bytes_fall_as_one_over_cp(tiny_job_args, tmp_path, form):
         out = tmp_path / f"cp{cp}.json"
         args = tiny_job_args(tmp_path / f"run{cp}", **seq, train__micro_batch_size=1)
         args += override_args(parallel__cp=cp, parallel__cp_comm=form)
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
-        cmd = [sys.executable, *(launcher if cp > 1 else []), str(worker), str(out), *args]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_workers(worker, cp, out, *args, timeout=600)
         measured[cp] = json.loads(out.read_text())
     whole = measured[1][0]
     assert whole > 10e6  # seq 2048: activations, not noise

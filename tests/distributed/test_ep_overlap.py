@@ -9,12 +9,10 @@ other micro-batch computed, unless that one had already finished.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import override_args
+from conftest import override_args, run_workers
 
 # The moe-tiny preset at test size: MLA, 16 experts top-2, a shared expert, one MTP module.
 JOB = override_args(
@@ -70,10 +68,7 @@ def _run(tmp_path: Path, nproc: int, cases: dict[str, list[str]]) -> dict:
     spec.write_text(json.dumps({"job": JOB, "cases": list(cases.items())}))
     out = tmp_path / "report.json"
     worker = Path(__file__).with_name("overlap_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={nproc}", str(worker), str(out), str(spec)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_workers(worker, nproc, out, spec, timeout=1200)
     return json.loads(out.read_text())
 
 

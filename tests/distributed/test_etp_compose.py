@@ -41,12 +41,10 @@ weight gradients) and DualPipe against one process (`assert_same_training`): mea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import override_args
+from conftest import override_args, run_workers
 from test_ep_overlap import PIPE, _check, _run
 from test_expert_parallel import MOE_TINY, assert_same_training
 from test_expert_tensor_parallel import read_metrics
@@ -65,11 +63,7 @@ HISTORY_VS_ONE = 2e-2
 def fp8_report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("etp-fp8") / "report.json"
     worker = Path(__file__).with_name("etp_compose_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out), *CASES], capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_workers(worker, 2, out, *CASES, timeout=900)
     return json.loads(out.read_text())
 
 

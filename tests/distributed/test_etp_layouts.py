@@ -20,12 +20,11 @@ tp 4 x etp 2, dp 4 x ep 4, FSDP2 and in one process, and the way back, bitwise.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_workers
 from sharded_checkpoint_worker import whole
 from test_expert_parallel import MOE_TINY, assert_same_training
 from test_expert_tensor_parallel import GLOBAL_BATCH, read_metrics, train_layouts
@@ -118,14 +117,7 @@ def sharded(tmp_path_factory) -> Path:
     one.run()
     torch.save(whole(one), out / "one" / "reference.pt")
     worker = Path(__file__).with_name("etp_layouts_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out / "w4"), str(out / "one")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_workers(worker, 4, out / "w4", out / "one", timeout=600)
     return out
 
 

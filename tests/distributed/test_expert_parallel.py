@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import override_args
+from conftest import override_args, run_workers
 
 from hyperloom import checkpoint as ckpt
 
@@ -28,11 +28,7 @@ WEIGHTS_TOL = 1e-4
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ep") / "report.json"
     worker = Path(__file__).with_name("expert_parallel_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_workers(worker, 4, out, timeout=900)
     return json.loads(out.read_text())
 
 

@@ -7,12 +7,11 @@ equal values are not enough when fused AdamW reads a strided view as if it were 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from conftest import run_workers
 from torch import nn
 
 from hyperloom import checkpoint as ckpt
@@ -25,11 +24,7 @@ from hyperloom.train.optim import adamw
 def test_state_round_trip_across_layouts_is_bitwise(tmp_path):
     out = tmp_path / "reshard.json"
     worker = Path(__file__).with_name("reshard_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_workers(worker, 4, out, timeout=600)
     report = json.loads(out.read_text())
     assert report["same_names"] and report["tensors"] > 40  # weights, exp_avg, exp_avg_sq, step
     assert report["differ_after_dp4"] == []

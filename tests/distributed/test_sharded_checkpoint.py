@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_workers
 
 from hyperloom import checkpoint as ckpt
 from hyperloom.checkpoint.state import full_model_state, full_optimizer_state
@@ -34,11 +33,7 @@ COMMON = dict(train__steps=4, checkpoint__every=2, checkpoint__keep=3, checkpoin
 def launched(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     worker = Path(__file__).with_name("sharded_checkpoint_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_workers(worker, 4, out, timeout=600)
     return out
 
 

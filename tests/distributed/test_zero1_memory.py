@@ -12,19 +12,15 @@ and peak 279,168 B, one shard.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_workers
 
 
 def test_zero1_step_allocates_at_most_a_shard(tmp_path):
     out = tmp_path / "zero1_memory.json"
     worker = Path(__file__).with_name("zero1_memory_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run(
-        [*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_workers(worker, 2, out, timeout=300)
     r = json.loads(out.read_text())
     assert r["grads_are_buffer_views"], r
     assert r["shard_bytes"] * 2 == r["full_bytes"], r

@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import sys
 import warnings
 from pathlib import Path
 
 
-def _number(case: str, key: str, default: int = 1) -> int:
+def case_number(case: str, key: str, default: int = 1) -> int:
+    """The number after `key` in a release case name ("_tp" in "..._tp2_..."), or `default`."""
     m = re.search(key + r"(\d+)", case)
     return int(m.group(1)) if m else default
 
@@ -33,8 +35,9 @@ def _ms(text: str) -> float:
 
 def build_case(pipeline, case: str) -> dict:
     """One release row as the checkout's case dictionary."""
-    tp, pp, ep, cp = (_number(case, k) for k in ("_tp", "_pp", "_ep", "_cp"))
-    layers, mbc, seq = _number(case, "_l"), _number(case, "_mbc"), _number(case, "seq", 4096)
+    tp, pp, ep, cp = (case_number(case, k) for k in ("_tp", "_pp", "_ep", "_cp"))
+    layers, mbc = case_number(case, "_l"), case_number(case, "_mbc")
+    seq = case_number(case, "seq", 4096)
     if case.startswith("deepseek"):
         out = pipeline.moe_case(
             case, strategy_rel="configs/strategy/ep8_pp1_dp8_mbs1.json", parallel="-",
@@ -58,8 +61,6 @@ def main() -> None:
     root, dest = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
     sys.path.insert(0, str(root))
     warnings.filterwarnings("ignore")
-    import os
-
     os.chdir(root)
     from tools.b200 import run_megatron_perf_real_pipeline as pipeline
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simumax_cases import case_number  # noqa: E402  (benchmarks/ is on sys.path)
+
 from hyperloom.planner.published_memory import SIMUMAX_B200, case_name, simumax_plan  # noqa: E402
 
 COLUMNS = ("compute", "comm", "optimizer", "dp", "bubble")
@@ -33,16 +34,11 @@ COLUMNS = ("compute", "comm", "optimizer", "dp", "bubble")
 
 def _key(case: str) -> tuple:
     """(model, layers, tp, pp, cp, ep, seq, micro-batches) of a SimuMax case name."""
-
-    def num(k: str, default: int = 1) -> int:
-        m = re.search(k + r"(\d+)", case)
-        return int(m.group(1)) if m else default
-
     model = {"deepseekv2": "deepseek-v2", "deepseekv3": "deepseek-v3"}.get(
         case.split("_")[0], "llama3-70b" if "70b" in case else "llama3-405b"
     )
-    return (model, num("_l"), num("_tp"), num("_pp"), num("_cp"), num("_ep"), num("seq", 4096),
-            num("_mbc"))  # fmt: skip
+    dims = (case_number(case, k) for k in ("_l", "_tp", "_pp", "_cp", "_ep"))
+    return (model, *dims, case_number(case, "seq", 4096), case_number(case, "_mbc"))
 
 
 def simumax_parts(rec: dict) -> dict[str, float]:

@@ -64,14 +64,24 @@ class Link:
     # (kind, seconds) once per call on top of `fixed` (a tier's measured `fixed_us`)
     fixed_kind: tuple[tuple[str, float], ...] = ()
 
+    def alpha(self, kind: str) -> float:
+        """Seconds per ring step of a `kind` collective."""
+        return next((a for k, a in self.alphas if k == kind), self.latency)
+
+    def factor(self, kind: str) -> float:
+        """`kind`'s factor on the bandwidth term."""
+        return next((f for k, f in self.scale if k == kind), 1.0)
+
+    def once(self, kind: str) -> float:
+        """Seconds a `kind` collective pays once per call."""
+        return self.fixed + next((f for k, f in self.fixed_kind if k == kind), 0.0)
+
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
     """Seconds for one collective of `kind` over `n` ranks on `link` (S = full buffer)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    alpha = next((a for k, a in link.alphas if k == kind), link.latency)
-    factor = next((f for k, f in link.scale if k == kind), 1.0)
-    fixed = link.fixed + next((f for k, f in link.fixed_kind if k == kind), 0.0)
+    alpha, factor, fixed = link.alpha(kind), link.factor(kind), link.once(kind)
     if kind == "p2p":
         return (alpha + nbytes * factor / link.bandwidth) * link.slow + fixed
     if kind not in _SCALE:
@@ -91,13 +101,14 @@ def _tier_link(
     name = acc.inter_tier if inter else acc.intra_tier
     tier, scale, alphas = _tier_factors(name, acc.collective_scale)
     latency = (acc.inter_latency_us if inter else acc.intra_latency_us) * 1e-6
-    bw = bandwidth * tier.group_factor(n)
     measured = tier.at_size(n)
     if measured:  # the measured group size: its own bandwidth per kind and latencies
         ref = measured["all_reduce"][0]
         bw = bandwidth * ref
         scale = tuple((k, ref / rel) for k, (rel, _) in measured.items() if k != "all_reduce")
         alphas = tuple((k, us * 1e-6) for k, (_, us) in measured.items())
+    else:
+        bw = bandwidth * tier.group_factor(n)
     slow = tier.straggler(nodes) if inter else 1.0
     once = tuple((k, us * 1e-6) for k, us in tier.fixed_us)
     return Link(bw, latency, fixed, level, scale, alphas, slow, once)
@@ -213,12 +224,10 @@ def all_to_all_cost(
     if n <= 1:
         return AllToAll()
     link = group_link(cluster, n, stride)
-    factor = next((f for kind, f in link.scale if kind == "all_to_all"), 1.0)
-    alpha = next((a for kind, a in link.alphas if kind == "all_to_all"), link.latency)
+    factor, alpha = link.factor("all_to_all"), link.alpha("all_to_all")
     if link.level != "inter":
         beta = (n - 1) / n / link.bandwidth * factor
-        once = link.fixed + next((f for k, f in link.fixed_kind if k == "all_to_all"), 0.0)
-        return AllToAll(n, (n - 1) * alpha + once, beta, link.level)
+        return AllToAll(n, (n - 1) * alpha + link.once("all_to_all"), beta, link.level)
     acc, g = cluster.profile, cluster.gpus_per_node
     k = max(2, (n * stride) // g)  # nodes the group spans
     r = max(1, n // k)  # members per node

@@ -14,7 +14,8 @@ GEMMs of the routed experts; causal flash attention on SimuMax's full-square FLO
 `measured_b200.attention_samples`).
 
 `PERMUTE_EFF`: TE's fused MoE permutation, 0.1879 of 1,600 GiB/s forward and backward after
-40 us per launch (``test_ce_permute_efficiency.py``), over the datasheet's 1,935 GB/s.
+40 us per launch (``test_ce_permute_efficiency.py``), over the datasheet's 1,935 GB/s. The
+40 us is not charged: the profile has no per-call latency (`launches.py`).
 
 `NCCL_FIT`: the same file's nccl-tests fits on that node (``networks.intra_node_pcie_{2,4,8}x``)
 per group size and collective: bus efficiency of 30 GiB/s and per-step latency, in SimuMax's

@@ -109,8 +109,8 @@ class Runtime:
     # each bucket is scaled in place by 1 / (dp x cp) before its collective when dp x cp > 1
     # (``param_and_grad_buffer.start_grad_sync``; 8 B per parameter, experts included), and
     # the optimizer multiplies its gradient shard by the clip coefficient (``clip_grads.
-    # clip_grad_by_total_norm_fp32``; 8 B per shard element, charged every step: early in a
-    # run the norm exceeds ``--clip-grad``).
+    # clip_grad_by_total_norm_fp32``; 8 B per shard element). Megatron scales only when the
+    # norm exceeds ``--clip-grad``; charged every step, an assumption (early in a run it does).
     grad_prescale: bool = False
     clip_shard_bytes: float = 0.0
     fsdp_overlap: float = 1.0  # zero 3: per-block gathers behind compute
